@@ -1,0 +1,79 @@
+"""Process groups for tensor parallelism.
+
+Model layers call `get_tp_group()` and use only `.rank`, `.world_size`, `.all_reduce` and
+`.all_gather`. At world size 1 (the default, before `init_distributed`) every collective is the
+identity, so the same layer code runs unsharded in one process.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    """A tensor-parallel group: this rank's index and the collectives the layers need."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, group: object | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim`, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+_TP_GROUP = GroupCoordinator()
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP_GROUP
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> GroupCoordinator:
+    """Join the default process group and make it the tensor-parallel group.
+
+    Only tensor parallelism is built so far, so the TP group is the whole world.
+    """
+    global _TP_GROUP
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    _TP_GROUP = GroupCoordinator(rank, world_size, dist.group.WORLD if world_size > 1 else None)
+    return _TP_GROUP
+
+
+def destroy_distributed() -> None:
+    global _TP_GROUP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_GROUP = GroupCoordinator()
