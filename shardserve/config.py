@@ -1,0 +1,269 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+`EngineConfig` groups the per-concern configs and is the one object that travels to every worker
+(pickled). Values discovered at run time (the number of KV blocks) are not stored here; they live
+in `KVCacheConfig`, produced by the engine after asking the workers for their memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardserve.model.arch import ModelArch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+BACKENDS = ("uni", "mp", "ray", "ray_v2", "external_launcher")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX); else fp32 is faster."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    _check(
+        dtype in _DTYPES,
+        f"dtype={dtype!r} is not supported; choose one of: auto, {', '.join(_DTYPES)}",
+    )
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"device={self.device!r} is not supported; choose auto, cpu or cuda",
+        )
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda":
+            _check(torch.cuda.is_available(), "device='cuda' but no CUDA device is visible")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """HF model folder or .gguf file; None selects the default model (SmolLM2-135M-Instruct)."""
+    tokenizer: str | None = None
+    """Tokenizer folder or .gguf file; defaults to the model's own."""
+    dtype: str = "auto"
+    """auto (bfloat16 where the hardware computes it natively, else float32), float32,
+    bfloat16 or float16."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); defaults to the model's max positions."""
+    seed: int = 0
+    """Seed of the random source for requests without their own seed."""
+    device: str = "cpu"
+    path: Path = field(init=False)
+    tokenizer_path: Path = field(init=False)
+    arch: ModelArch = field(init=False)
+
+    def __post_init__(self) -> None:
+        from shardserve.model.loader import read_arch, resolve_model_path
+
+        path = resolve_model_path(self.model)
+        object.__setattr__(self, "path", path)
+        tok = resolve_model_path(self.tokenizer) if self.tokenizer is not None else path
+        object.__setattr__(self, "tokenizer_path", tok)
+        object.__setattr__(self, "arch", read_arch(path))
+        resolve_dtype(self.dtype, self.device)  # validates the name
+        max_pos = self.arch.max_position_embeddings
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", max_pos)
+        _check(
+            isinstance(self.max_model_len, int) and 1 <= self.max_model_len <= max_pos,
+            f"max_model_len={self.max_model_len!r} must be an int in [1, {max_pos}] "
+            f"(the model's max_position_embeddings)",
+        )
+        _check(isinstance(self.seed, int), f"seed={self.seed!r} must be an int")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache budget per worker in bytes; overrides kv_cache_memory_fraction."""
+    kv_cache_memory_fraction: float = 0.1
+    """Fraction of the memory free at start-up given to the KV cache (shared by a machine's ranks)."""
+    num_blocks_override: int | None = None
+    """Force this many KV blocks (testing preemption with a tiny cache)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size={self.block_size!r} must be a power of two in [1, 128]",
+        )
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be > 0",
+        )
+        _check(
+            0.0 < self.kv_cache_memory_fraction <= 0.95,
+            f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 0.95]",
+        )
+        _check(
+            self.num_blocks_override is None or self.num_blocks_override >= 1,
+            f"num_blocks_override={self.num_blocks_override!r} must be >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None
+    """uni | mp | ray | ray_v2 | external_launcher | an Executor subclass or its dotted path.
+    Default: uni for one rank, mp for more."""
+    worker_start_timeout_s: float = 120.0
+    """Deadline for every worker to load its model and report ready."""
+    execute_timeout_s: float = 300.0
+    """Deadline for one execute_model / sample_tokens call to answer."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
+        _check(
+            self.pipeline_parallel_size == 1,
+            f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; use 1",
+        )
+        if self.distributed_executor_backend is None:
+            backend = "uni" if self.world_size == 1 else "mp"
+            object.__setattr__(self, "distributed_executor_backend", backend)
+        backend = self.distributed_executor_backend
+        _check(
+            not isinstance(backend, str) or backend in BACKENDS or "." in backend,
+            f"distributed_executor_backend={backend!r} is not known; choose one of "
+            f"{', '.join(BACKENDS)}, an Executor subclass or its dotted path 'pkg.module.Class'",
+        )
+        if backend == "uni":
+            _check(
+                self.world_size == 1,
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}; use 'mp' or 'ray'",
+            )
+        for name in ("worker_start_timeout_s", "execute_timeout_s"):
+            _check(getattr(self, name) > 0, f"{name}={getattr(self, name)!r} must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+            f"max_num_seqs={self.max_num_seqs!r} must be an int >= 1",
+        )
+        _check(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an int >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the engine decided after asking the workers: sent to `initialize_from_config`."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        arch = self.model_config.arch
+        tp = self.parallel_config.tensor_parallel_size
+        if tp not in arch.valid_tp_sizes(max(tp, 1)):
+            raise ValueError(
+                f"tensor_parallel_size={tp} cannot shard this model ({arch.num_heads} attention "
+                f"heads, {arch.num_kv_heads} KV heads); sizes that divide both: "
+                f"{arch.valid_tp_sizes(16)}"
+            )
+        sched = self.scheduler_config
+        if not sched.enable_chunked_prefill:
+            _check(
+                sched.max_num_batched_tokens >= self.model_config.max_model_len,
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= max_model_len="
+                f"{self.model_config.max_model_len} when chunked prefill is disabled",
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments, as `LLM(...)` and the CLI take them."""
+        groups: dict[str, dict[str, Any]] = {}
+        owners = {
+            "device_config": DeviceConfig,
+            "model_config": ModelConfig,
+            "cache_config": CacheConfig,
+            "parallel_config": ParallelConfig,
+            "scheduler_config": SchedulerConfig,
+        }
+        for key, value in kwargs.items():
+            owner = next((g for g, c in owners.items() if key in _init_fields(c)), None)
+            if owner is None:
+                valid = sorted(k for c in owners.values() for k in _init_fields(c))
+                raise TypeError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
+            groups.setdefault(owner, {})[key] = value
+        device = DeviceConfig(**groups.pop("device_config", {}))
+        model_kwargs = groups.pop("model_config", {})
+        model_config = ModelConfig(model=model, device=device.device, **model_kwargs)
+        built = {name: owners[name](**kw) for name, kw in groups.items()}
+        return cls(model_config=model_config, device_config=device, **built)
+
+
+def _init_fields(cls: type) -> set[str]:
+    # ModelConfig's `model` is positional in from_kwargs and its `device` comes from DeviceConfig.
+    hidden = ("model", "device") if cls is ModelConfig else ()
+    return {f.name for f in dataclasses.fields(cls) if f.init and f.name not in hidden}

@@ -1,0 +1,92 @@
+"""Messages that cross the engine → executor → worker boundary (pickled, broadcast to every rank).
+
+Size budget: a decode step for B running requests costs O(B) small ints, never the requests' full
+token lists. New requests travel in full once; afterwards only deltas (new block ids, the count of
+computed tokens) are sent. Workers keep the rest of each request's state (model_runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen, or one resumed after preemption (sent in full)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens generated before a preemption: recomputed with the prompt, and needed by penalties and
+    # by per-position seeding, so that a resumed request continues exactly as it would have.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold: parallel lists, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Requests run in the order: cached requests, then new ones."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the workers must forget (finished, aborted, or preempted: a preempted request comes
+    # back later as a NewRequestData).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class GrammarOutput:
+    """Per-request allowed-token masks for constrained decoding (the hook; True = allowed)."""
+
+    req_ids: list[str]
+    allowed_token_mask: np.ndarray  # bool [len(req_ids), vocab_size]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The tokens sampled this step, for the requests whose prefill is complete."""
+
+    req_ids: list[str]
+    sampled_token_ids: np.ndarray  # int64 [N], aligned with req_ids
+    # With logprobs requested: [N, 1 + max_logprobs], the sampled token's entry first, then top-N.
+    logprob_token_ids: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    sampled_token_ranks: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls(req_ids=[], sampled_token_ids=np.zeros(0, dtype=np.int64))
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core reports for one request after a step (the front end detokenizes)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    # One entry per new token: {token_id: (logprob, rank)}, the sampled token plus the top-N.
+    new_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,49 @@
+"""The engine's view of one request: its tokens, progress and status (no torch here)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shardserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache. A token is sampled when this reaches num_tokens.
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        return self.sampling_params.max_tokens or 1 << 30
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None

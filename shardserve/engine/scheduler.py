@@ -1,0 +1,197 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Each step spends a token budget (`max_num_batched_tokens`) first on running requests (one token
+per decode, a chunk for an unfinished prefill), then admits waiting requests in arrival order.
+When the block pool runs dry, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed from scratch later (preemption by recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shardserve.config import SchedulerConfig
+from shardserve.engine.kv_cache import KVCacheManager
+from shardserve.engine.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shardserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the workers still hold state for and must be told to drop.
+        self._finished_ids: set[str] = set()
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.status.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_tokens: dict[str, int] = {}
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+        budget = self._schedule_running(budget, num_tokens, cached, preempted)
+        new_reqs: list[NewRequestData] = []
+        if not preempted:  # a full pool admits nobody new this step
+            self._schedule_waiting(budget, num_tokens, new_reqs)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_tokens,
+            total_num_scheduled_tokens=sum(num_tokens.values()),
+            finished_req_ids=finished - preempted,
+            preempted_req_ids=preempted,
+        )
+
+    def _schedule_running(
+        self, budget: int, num_tokens: dict[str, int], cached: CachedRequestData, preempted: set[str]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+            if new_blocks is None:
+                # The newest admitted request goes first. It sits at index >= i, so it has not
+                # been scheduled in this step; if it is this request, the loop ends.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                continue
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_tokens[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(
+        self, budget: int, num_tokens: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if self.kv.allocate(request.request_id, request.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=list(self.kv.block_ids(request.request_id)),
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+            num_tokens[request.request_id] = n
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results back ----
+    def update_from_output(
+        self, sched: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        for rid, n in sched.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is not None and not request.status.is_finished:
+                request.num_computed_tokens += n
+        outputs = []
+        for j, rid in enumerate(output.req_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status.is_finished:
+                continue  # aborted while the step ran
+            token = int(output.sampled_token_ids[j])
+            request.output_token_ids.append(token)
+            self._check_stop(request, token)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[token],
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=_logprobs_entry(output, j),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.sampling_params
+        n_out = len(request.output_token_ids)
+        if n_out >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if not params.ignore_eos and token in request.eos_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        if n_out >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+
+def _logprobs_entry(output: ModelRunnerOutput, j: int) -> list[dict[int, tuple[float, int]]] | None:
+    if output.logprobs is None or output.logprob_token_ids is None:
+        return None
+    ids = output.logprob_token_ids[j].tolist()
+    lps = output.logprobs[j].tolist()
+    sampled_rank = int(output.sampled_token_ranks[j]) if output.sampled_token_ranks is not None else 0
+    entry = {ids[0]: (lps[0], sampled_rank)}
+    for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+        entry.setdefault(tid, (lp, rank))
+    return [entry]
+

@@ -1,0 +1,170 @@
+"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`.
+
+Users write `SamplingParams(max_tokens=32, temperature=0)`. Everything is validated in
+`__post_init__` so a bad request fails at the API boundary with a message naming the field, the
+bad value and the valid range, rather than deep inside the sampler on a worker process.
+
+The object crosses process boundaries (pickled to engine-core and workers), so it stays a plain
+dataclass holding only builtins.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass, field
+
+# Below this temperature a request is treated as greedy (argmax), as vLLM does: dividing logits by
+# a near-zero temperature would overflow and is argmax in the limit anyway.
+_GREEDY_EPS = 1e-5
+# Most top-N logprobs a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _real(name: str, value: object) -> float:
+    """`value` as a finite float, or a ValueError naming the field. Bools are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return result
+
+
+def _int(name: str, value: object) -> int:
+    """`value` as an int, or a ValueError naming the field. Bools and floats are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _normalise_stop(value: object) -> list[str]:
+    """`stop` as a list of non-empty strings (a bare string is one stop string)."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a str or a list of str, got {value!r}")
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"stop must contain only str, got {item!r} in {value!r}")
+        if item == "":
+            raise ValueError(f"stop must not contain an empty string, got {value!r}")
+    return list(items)
+
+
+def _normalise_stop_token_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of int, got {value!r}")
+    ids = [_int("stop_token_ids", item) for item in value]
+    for token_id in ids:
+        if token_id < 0:
+            raise ValueError(f"stop_token_ids must be >= 0, got {token_id} in {value!r}")
+    return ids
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Normalised to list[str] / list[int] by __post_init__.
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = field(default=None)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: until the context length is reached
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs of each sampled position
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._coerce_types()
+        self._check_ranges()
+        self._check_lengths()
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+
+    def _coerce_types(self) -> None:
+        """Type checks; numeric fields are normalised (temperature=0 becomes 0.0)."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            setattr(self, name, _real(name, getattr(self, name)))
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, _int(name, getattr(self, name)))
+        for name in ("max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _int(name, value))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+
+    def _check_ranges(self) -> None:
+        checks = [
+            ("n", self.n >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, ">= -1 (0 or -1 disables it)"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+        ]
+        if self.logprobs is not None:
+            checks.append(("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
+                           f"in [0, {MAX_LOGPROBS}]"))
+        for name, ok, valid in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {valid}, got {getattr(self, name)!r}")
+
+    def _check_lengths(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None), got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
