@@ -1,0 +1,270 @@
+"""Paged attention on CPU with vectorised PyTorch.
+
+KV cache layout (one tensor per layer): [num_blocks, block_size, 2, num_kv_heads, head_dim].
+Keeping K and V of a slot adjacent lets one `index_copy_` write both for the whole flat batch and
+one `index_select` gather both for every request's context. Slot s = block_id * block_size +
+offset addresses row s of the [num_blocks * block_size, 2, Hkv, D] view.
+
+A step's requests are split into two groups, each padded only to its own maximum:
+  * decode rows (query_len == 1): one query per request, context padded to the longest decode;
+  * prefill rows (query_len > 1, including later chunks of a chunked prefill): queries padded to
+    the longest prefill chunk, context to the longest prefill context, with a causal mask.
+So one long prefill next to many decodes costs (long x long) + (decodes x their contexts), not
+(everyone x long). `AttentionMetadata.build` precomputes all indices and masks once per step;
+the per-layer work is a fixed handful of tensor ops with no Python loop over requests.
+
+Grouped-query attention without copying KV: the G = H / Hkv query heads sharing a KV head are
+folded into the query-length dim, giving q [B, Hkv, G*Q, D] against k/v [B, Hkv, L, D].
+
+Padding invariant: every padded gather index points at a real, already-written slot of the same
+request (the cache may be torch.empty garbage, and 0 * NaN = NaN even under a mask), and every
+padded query row can see at least key 0, so no softmax row is fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KV_DIM = 2  # index of the K/V axis in a layer's cache tensor
+
+
+@dataclass
+class _Group:
+    """One padded attention group (decodes or prefills) of B requests."""
+
+    query_index: torch.Tensor | None  # int64 [B*Q] rows of the flat batch (None: all, in order)
+    slots: torch.Tensor  # int64 [B*L] cache slots of each request's context (padded)
+    mask: torch.Tensor | None  # bool [B, 1, Q, L] (True = attend); None when nothing is masked
+    num_reqs: int
+    max_query: int
+    max_context: int
+    causal_fresh: bool = False  # one request, no cached prefix: plain causal over its own K/V
+    # The mask with each query row repeated G times, built by the first layer and reused.
+    _gqa_mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    positions: torch.Tensor  # int64 [num_tokens]
+    logits_indices: torch.Tensor  # int64 [B]
+    slot_mapping: torch.Tensor  # int64 [num_tokens], where each new token's K/V is written
+    max_seq_len: int  # host-side bound on positions (sizes the RoPE table without a sync)
+    decode: _Group | None
+    prefill: _Group | None
+    # Flat-batch row -> row of cat(decode_out [Bd], prefill_out [Bp*Qp]); None when identity.
+    output_index: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        _validate(query_lens, seq_lens, block_tables, block_size)
+        q = torch.tensor(query_lens, dtype=torch.int64)
+        s = torch.tensor(seq_lens, dtype=torch.int64)
+        bt = _pad_block_tables(block_tables)
+        starts = torch.cumsum(q, 0) - q  # first flat row of each request
+        req_of_token = torch.repeat_interleave(torch.arange(len(q)), q)
+        positions = torch.arange(int(q.sum())) - starts[req_of_token] + (s - q)[req_of_token]
+        slot_mapping = _slots(bt[req_of_token], positions, block_size)
+
+        is_decode = q == 1
+        dec = [i for i, n in enumerate(query_lens) if n == 1]
+        pre = [i for i, n in enumerate(query_lens) if n > 1]
+        decode = _build_group(dec, q, s, bt, starts, block_size) if dec else None
+        prefill = _build_group(pre, q, s, bt, starts, block_size) if pre else None
+        output_index = _output_index(q, is_decode, dec, pre, prefill)
+        to = torch.device(device)
+        return cls(
+            num_tokens=int(q.sum()),
+            positions=positions.to(to),
+            logits_indices=(starts + q - 1).to(to),
+            slot_mapping=slot_mapping.to(to),
+            max_seq_len=max(seq_lens),
+            decode=_group_to(decode, to),
+            prefill=_group_to(prefill, to),
+            output_index=None if output_index is None else output_index.to(to),
+        )
+
+
+def _validate(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> None:
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+        raise ValueError("query_lens, seq_lens and block_tables must be non-empty and equal length")
+    for i, (ql, sl, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if ql < 1 or sl < ql:
+            raise ValueError(f"request {i}: need 1 <= query_len ({ql}) <= seq_len ({sl})")
+        if len(bt) * block_size < sl:
+            raise ValueError(f"request {i}: {len(bt)} blocks cannot hold {sl} tokens")
+
+
+def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(b) for b in block_tables)
+    return torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int64)
+
+
+def _slots(block_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of `positions` ([N] or [B, L]) given each row's block table ([N|B, W])."""
+    squeeze = positions.dim() == 1
+    pos = positions.unsqueeze(-1) if squeeze else positions
+    blocks = torch.gather(block_rows, 1, pos // block_size)
+    out = blocks * block_size + pos % block_size
+    return out.squeeze(-1) if squeeze else out
+
+
+def _build_group(
+    reqs: list[int],
+    q: torch.Tensor,
+    s: torch.Tensor,
+    bt: torch.Tensor,
+    starts: torch.Tensor,
+    block_size: int,
+) -> _Group:
+    idx = torch.tensor(reqs, dtype=torch.int64)
+    ql, sl, st = q[idx], s[idx], starts[idx]
+    max_q, max_l = int(ql.max()), int(sl.max())
+    # Context positions 0..max_l-1; padding positions fall back to position 0 (a real slot).
+    kpos = torch.arange(max_l).expand(len(reqs), max_l)
+    key_valid = kpos < sl[:, None]
+    slots = _slots(bt[idx], torch.where(key_valid, kpos, 0), block_size)
+    # Query j of request r sits at flat row st+j and position (sl-ql)+j; padded query rows
+    # repeat the request's last real query (their output is discarded).
+    qj = torch.minimum(torch.arange(max_q).expand(len(reqs), max_q), (ql - 1)[:, None])
+    query_index = (st[:, None] + qj).reshape(-1)
+    qpos = (sl - ql)[:, None] + qj
+    mask = key_valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # [B, Q, L]
+    if bool(mask.all()):
+        mask_out = None
+    else:
+        mask_out = mask.unsqueeze(1)
+    identity = len(reqs) * max_q == int(q.sum()) and bool(
+        (query_index == torch.arange(query_index.numel())).all()
+    )
+    return _Group(
+        query_index=None if identity else query_index,
+        slots=slots.reshape(-1),
+        mask=mask_out,
+        num_reqs=len(reqs),
+        max_query=max_q,
+        max_context=max_l,
+        causal_fresh=len(reqs) == 1 and max_q > 1 and int(sl[0]) == int(ql[0]),
+    )
+
+
+def _output_index(
+    q: torch.Tensor, is_decode: torch.Tensor, dec: list[int], pre: list[int], prefill: _Group | None
+) -> torch.Tensor | None:
+    """Map each flat row to its row in cat(decode outputs, padded prefill outputs)."""
+    if prefill is None or (not dec and prefill.query_index is None):
+        return None  # a single group whose rows are already in flat order
+    rank_in_group = torch.zeros(len(q), dtype=torch.int64)
+    rank_in_group[is_decode] = torch.arange(len(dec))
+    rank_in_group[~is_decode] = torch.arange(len(pre))
+    req_of_token = torch.repeat_interleave(torch.arange(len(q)), q)
+    offset_in_req = torch.arange(int(q.sum())) - (torch.cumsum(q, 0) - q)[req_of_token]
+    max_q = prefill.max_query if prefill is not None else 1
+    prefill_row = len(dec) + rank_in_group[req_of_token] * max_q + offset_in_req
+    return torch.where(is_decode[req_of_token], rank_in_group[req_of_token], prefill_row)
+
+
+def _group_to(group: _Group | None, device: torch.device) -> _Group | None:
+    if group is None or device.type == "cpu":
+        return group
+    for name in ("query_index", "slots", "mask"):
+        t = getattr(group, name)
+        if t is not None:
+            setattr(group, name, t.to(device))
+    return group
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * block_size * 2 * num_kv_heads * head_dim * itemsize
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """One [num_blocks, block_size, 2, num_kv_heads, head_dim] tensor per layer (uninitialised)."""
+    shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns [num_tokens, H * D].
+
+    q: [T, H, D] (RoPE applied); kv: [T, 2, Hkv, D] (K with RoPE applied, V).
+    """
+    flat_cache = kv_cache.view(-1, *kv_cache.shape[2:])  # [slots, 2, Hkv, D]
+    flat_cache.index_copy_(0, meta.slot_mapping, kv)
+    outs = []
+    if meta.decode is not None:
+        outs.append(_attend_group(q, kv, flat_cache, meta.decode))
+    if meta.prefill is not None:
+        outs.append(_attend_group(q, kv, flat_cache, meta.prefill))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    if meta.output_index is not None:
+        out = out.index_select(0, meta.output_index)
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor, kv: torch.Tensor, flat_cache: torch.Tensor, g: _Group
+) -> torch.Tensor:
+    """Attention for one group; returns [B * Q, H * D] (padded query rows included)."""
+    _, num_heads, head_dim = q.shape
+    num_kv = flat_cache.shape[2]
+    group = num_heads // num_kv
+    if g.query_index is not None:
+        q = q.index_select(0, g.query_index)
+        if g.causal_fresh:
+            kv = kv.index_select(0, g.query_index)
+    if g.causal_fresh:
+        return _attend_causal_fresh(q, kv)
+    b, nq = g.num_reqs, g.max_query
+    # [B*Q, H, D] -> [B, Hkv, Q*G, D]: the G heads sharing a KV head become extra query rows.
+    qg = q.view(b, nq, num_kv, group, head_dim).transpose(1, 2).reshape(b, num_kv, nq * group, -1)
+    ctx = flat_cache.index_select(0, g.slots).view(b, g.max_context, 2, num_kv, head_dim)
+    k = ctx[:, :, 0].transpose(1, 2)
+    v = ctx[:, :, 1].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_gqa_mask(g, group))
+    # [B, Hkv, Q*G, D] -> [B*Q, H*D] with head index kv*G + g.
+    out = out.view(b, num_kv, nq, group, head_dim).transpose(1, 2)
+    return out.reshape(b * nq, num_heads * head_dim)
+
+
+def _gqa_mask(g: _Group, group: int) -> torch.Tensor | None:
+    if g.mask is None or group == 1:
+        return g.mask
+    if g._gqa_mask is None:
+        g._gqa_mask = g.mask.repeat_interleave(group, dim=2)  # query row order is (q, g)
+    return g._gqa_mask
+
+
+def _attend_causal_fresh(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """A single fresh prefill: its context is exactly this step's K/V, so skip the gather."""
+    t, num_heads, head_dim = q.shape
+    k = kv[:, 0].transpose(0, 1).unsqueeze(0)
+    v = kv[:, 1].transpose(0, 1).unsqueeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(t, num_heads * head_dim)

@@ -1,0 +1,245 @@
+"""Llama-family causal LM (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+The model works on a flat token batch (every request's new tokens concatenated) described by
+an `AttentionMetadata`. Layers are tensor-parallel: attention heads and MLP columns are split
+across the TP group, the vocab is split for the embedding and the LM head, and `load_weights`
+takes full HF tensors and lets each layer keep its own slice.
+
+Per layer the hot path is: norm, one fused qkv matmul, in-place RoPE on q and k together,
+paged attention, o_proj, fused add+norm, one fused gate_up matmul, SiLU*up, down_proj.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.parallel_state import get_tp_group
+from shardserve.model.arch import ModelArch
+from shardserve.model.attention import AttentionMetadata, paged_attention
+from shardserve.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+def check_tp_size(arch: ModelArch, tp_size: int) -> None:
+    """Refuse a TP size that cannot shard the attention heads evenly."""
+    if arch.num_heads % tp_size or arch.num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor-parallel size {tp_size} must divide num_heads={arch.num_heads} and "
+            f"num_kv_heads={arch.num_kv_heads}; valid sizes: {arch.valid_tp_sizes()}"
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+        super().__init__()
+        tp_size = get_tp_group().world_size
+        self.num_heads = arch.num_heads // tp_size
+        self.num_kv_heads = arch.num_kv_heads // tp_size
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            bias=arch.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q | k | v], contiguous
+        # q and k are adjacent in qkv, so one in-place rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        RotaryEmbedding.apply_(qk, cos_sin)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, kv, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.local_inter = inter // get_tp_group().world_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [inter, inter], False, dtype, device
+        )
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.local_inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+        super().__init__()
+        eps = arch.rms_norm_eps
+        self.self_attn = LlamaAttention(arch, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device)
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately and added inside the next norm.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling, dtype, device
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        cos_sin = self.rotary.lookup(meta.positions, meta.max_seq_len)  # shared by all layers
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos_sin, cache, meta)
+        return self.norm(x, residual)[0]
+
+
+# HF checkpoint name pieces -> (our module name piece, shard id) for fused parameters.
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+# Non-parameter tensors some checkpoints carry; safe to drop.
+_IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+        super().__init__()
+        tp = get_tp_group()
+        check_tp_size(arch, tp.world_size)
+        if arch.intermediate_size % tp.world_size:
+            raise ValueError(
+                f"intermediate_size={arch.intermediate_size} is not divisible by "
+                f"tensor-parallel size {tp.world_size}"
+            )
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, dtype, device)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, device)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.local_num_kv_heads = arch.num_kv_heads // tp.world_size
+        self.head_dim = arch.head_dim
+        self.num_layers = arch.num_layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        return self.model(input_ids, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab_size] over the full vocab (gathered across TP ranks)."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) HF tensors; each layer keeps its TP slice."""
+        params = dict(self.named_parameters())
+        expected = _expected_pieces(params)
+        loaded: set[tuple[str, object]] = set()
+        unknown: list[str] = []
+        for hf_name, tensor in weights:
+            target = self._resolve(hf_name)
+            if target is None:
+                continue
+            name, shard_id = target
+            if name not in params:
+                unknown.append(hf_name)
+                continue
+            param = params[name]
+            with torch.no_grad():
+                param.weight_loader(param, tensor.detach(), shard_id)
+            loaded.add((name, shard_id))
+        if unknown:
+            raise ValueError(f"unknown weights in checkpoint: {sorted(unknown)}")
+        missing = sorted(f"{n}" + ("" if s is None else f"[{s}]") for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing}")
+
+    def _resolve(self, hf_name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for an HF tensor name; None to skip it."""
+        if _IGNORED_RE.search(hf_name):
+            return None
+        if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None  # tied: the embedding supplies it (some checkpoints store a copy)
+        match = _STACKED_RE.search(hf_name)
+        if match is None:
+            return hf_name, None
+        fused, shard_id = _STACKED[match.group(1)]
+        return hf_name.replace(f".{match.group(1)}.", f".{fused}."), shard_id
+
+
+def _expected_pieces(params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:
+    """Every (parameter, shard id) that a complete checkpoint must fill."""
+    expected: set[tuple[str, object]] = set()
+    for name in params:
+        if ".qkv_proj." in name:
+            expected |= {(name, s) for s in ("q", "k", "v")}
+        elif ".gate_up_proj." in name:
+            expected |= {(name, 0), (name, 1)}
+        else:
+            expected.add((name, None))
+    return expected
