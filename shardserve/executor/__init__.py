@@ -1,0 +1,3 @@
+from shardserve.executor.abstract import EngineDeadError, Executor
+
+__all__ = ["EngineDeadError", "Executor"]

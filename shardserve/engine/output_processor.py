@@ -1,0 +1,166 @@
+"""Turns the engine core's token ids into RequestOutputs: detokenization, stop strings, n > 1.
+
+Runs in the front end (the caller's process; the API server's in the server), never in workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardserve.engine.messages import EngineCoreOutput
+from shardserve.outputs import CompletionOutput, Logprob, RequestOutput
+from shardserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _ChildState:
+    """One sequence of a request (a request with n > 1 has n of them)."""
+
+    index: int
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, _ChildState]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stream: bool = False) -> None:
+        self.tokenizer = tokenizer
+        # Without streaming, text is only needed for stop strings and at the end of a sequence.
+        self.stream = stream
+        self._requests: dict[str, _RequestState] = {}
+        self._parent_of: dict[str, str] = {}  # child (engine) request id → parent id
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        children: dict[str, SamplingParams],
+    ) -> None:
+        states = {}
+        for index, (child_id, params) in enumerate(children.items()):
+            states[child_id] = _ChildState(index, params, logprobs=[] if params.logprobs else None)
+            self._parent_of[child_id] = request_id
+        self._requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, states)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return list(state.children) if state else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Fold one step's outputs in. Returns the RequestOutputs of requests that changed, and
+        engine request ids to abort (those a stop string finished)."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent_id = self._parent_of.get(out.request_id)
+            if parent_id is None:
+                continue
+            state = self._requests[parent_id]
+            child = state.children[out.request_id]
+            if self._update_child(child, out):
+                to_abort.append(out.request_id)
+            touched[parent_id] = state
+        results = [self._make_output(s) for s in touched.values()]
+        for s in touched.values():
+            if s.finished:
+                self._forget(s)
+        return results, to_abort
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        for child in state.children.values():
+            child.finish_reason = child.finish_reason or "abort"
+        self._forget(state)
+        return self._make_output(state)
+
+    def _forget(self, state: _RequestState) -> None:
+        self._requests.pop(state.request_id, None)
+        for child_id in state.children:
+            self._parent_of.pop(child_id, None)
+
+    def _update_child(self, child: _ChildState, out: EngineCoreOutput) -> bool:
+        """Returns True when a stop string ended the sequence (the engine must abort it)."""
+        child.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and child.logprobs is not None:
+            self._add_logprobs(child, out)
+        params = child.params
+        if self.stream or params.stop or out.finish_reason is not None:
+            child.text = self.tokenizer.decode(
+                child.token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        if params.stop and out.finish_reason is None:
+            hit = _find_stop(child.text, params.stop, params.include_stop_str_in_output)
+            if hit is not None:
+                child.text, child.stop_reason = hit
+                child.finish_reason = "stop"
+                return True
+        child.finish_reason = out.finish_reason
+        child.stop_reason = out.stop_reason
+        return False
+
+    def _add_logprobs(self, child: _ChildState, out: EngineCoreOutput) -> None:
+        for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
+            child.logprobs.append(  # type: ignore[union-attr]
+                {
+                    tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                    for tid, (lp, rank) in entry.items()
+                }
+            )
+            child.cumulative_logprob += entry[token_id][0]
+
+    @staticmethod
+    def _make_output(state: _RequestState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in state.children.values()
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+        )
+
+
+def _find_stop(text: str, stops: list[str], include: bool) -> tuple[str, str] | None:
+    """The text cut at the earliest stop string, and that string; None when none occurs."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    if best is None:
+        return None
+    pos, stop = best
+    return text[: pos + len(stop) if include else pos], stop

@@ -1,0 +1,138 @@
+"""LLM: the offline API — `LLM(...).generate(prompts, params)` — shaped like vLLM's."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from shardserve.config import EngineConfig
+from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Args:
+        model: an HF model folder or a .gguf file; None for the default model.
+        **engine_options: dtype, max_model_len, max_num_seqs, tensor_parallel_size,
+            distributed_executor_backend, seed, ... (see config.py for all of them).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_options)
+        self.engine = LLMEngine(self.config)
+        # Runs on shutdown(), on garbage collection and at interpreter exit, whichever is first.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        processed = [self.engine.process_prompt(p) for p in prompt_list]
+        ids = []
+        for prompt, params in zip(processed, params_list, strict=True):
+            ids.append(self.engine.next_request_id())
+            self.engine.add_request(ids[-1], prompt, params)
+        try:
+            finished = self._run_engine(len(ids), use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            if not conv:
+                raise ValueError("messages is empty; give at least one {'role', 'content'} dict")
+            ids = self.engine.tokenizer.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_list(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give 1 or {n}")
+        return params
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool | Callable) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and num_requests > 1:
+            make = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make(total=num_requests, desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return finished
+
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs=None
+    ) -> list[Any]:
+        """Call a method on every worker (a name, or a callable taking the worker first)."""
+        return self.engine.core.executor.collective_rpc(method, timeout, args, kwargs)
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.core.wake_up(tags)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,171 @@
+"""The executor contract: how the engine reaches its workers, whatever runs them.
+
+Every backend implements three things: `_init_executor` (start the workers), `collective_rpc`
+(call one worker method on every rank) and `shutdown`. Everything else on this class is a thin
+wrapper over `collective_rpc`, so a backend cannot drift from the contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+FailureCallback = Callable[[], None]
+
+# Backends by name; each module is imported only when chosen (Ray stays optional).
+_BACKENDS: dict[str, tuple[str, str] | str] = {
+    "uni": ("shardserve.executor.uniproc", "UniProcExecutor"),
+    "mp": "the MultiprocExecutor capability (one process per rank over the shared-memory queue)",
+    "ray": "the RayDistributedExecutor capability (Ray actors and compiled graphs)",
+    "ray_v2": "the RayExecutorV2 capability (Ray-placed workers fed by the shared-memory queue)",
+    "external_launcher": "the external-launcher capability (every torchrun rank runs the engine)",
+}
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more requests: a worker died or the executor failed."""
+
+
+class Executor(ABC):
+    uses_ray: bool = False
+    supports_pp: bool = False
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """Map `parallel_config.distributed_executor_backend` to an Executor subclass."""
+        backend = config.parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise TypeError(f"distributed_executor_backend={backend!r} is not an Executor")
+            return backend
+        assert isinstance(backend, str)
+        target = _BACKENDS.get(backend)
+        if isinstance(target, str):
+            raise NotImplementedError(
+                f"distributed_executor_backend={backend!r} needs {target}, which is not built "
+                f"yet; use 'uni' (one rank) for now"
+            )
+        if target is None:
+            if "." not in backend:
+                raise ValueError(
+                    f"distributed_executor_backend={backend!r} is not known; choose one of "
+                    f"{', '.join(_BACKENDS)} or a dotted path 'pkg.module.ExecutorClass'"
+                )
+            target = tuple(backend.rsplit(".", 1))  # type: ignore[assignment]
+        module, name = target
+        cls = getattr(importlib.import_module(module), name)
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise TypeError(f"{backend!r} is not an Executor subclass")
+        return cls
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.parallel_config = config.parallel_config
+        self.is_failed = False
+        self._failure_callback: FailureCallback | None = None
+        self._init_executor()
+
+    # ---- what a backend implements ----
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers and run init_device and load_model on each of them."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call `method` on every rank's worker.
+
+        Args:
+            method: a Worker method name, or a callable run as `method(worker, *args, **kwargs)`.
+            timeout: seconds to wait for every reply (None: wait for ever, unless the backend
+                has a liveness check); on expiry a TimeoutError names the ranks that did not
+                answer.
+            non_block: return a Future instead of the result; futures complete in submission
+                order and their `result(timeout)` honours the timeout.
+            unique_reply_rank: return only this rank's result instead of a list.
+        Returns:
+            One result per rank, in rank order; or the one rank's result; or a Future of either.
+        Raises:
+            The first exception raised on any rank (with that rank's traceback), or
+            EngineDeadError once the executor has failed.
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and free what the executor created. Idempotent."""
+
+    # ---- thin wrappers over collective_rpc ----
+    @property
+    def output_rank(self) -> int:
+        """The rank whose sampled tokens are returned: first TP rank of the last PP stage."""
+        return self.parallel_config.world_size - self.parallel_config.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.parallel_config.pipeline_parallel_size
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future:
+        return self.collective_rpc(
+            "execute_model",
+            args=(scheduler_output,),
+            timeout=self.parallel_config.execute_timeout_s,
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
+        )
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        return self.collective_rpc(
+            "sample_tokens",
+            args=(grammar_output,),
+            timeout=self.parallel_config.execute_timeout_s,
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
+        )
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_block_bytes(self) -> list[int]:
+        return self.collective_rpc("get_kv_cache_block_bytes")
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
+        self.collective_rpc("compile_or_warm_up_model")
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """Run `callback` once when the executor fails (at once if it already has)."""
+        if self.is_failed:
+            callback()
+        else:
+            self._failure_callback = callback
+
+    def check_health(self) -> None:
+        if self.is_failed:
+            raise EngineDeadError("the executor has failed; see the earlier error")
+        self.collective_rpc("check_health", timeout=10.0)
+
+    def sleep(self, level: int = 1) -> None:
+        self.collective_rpc("sleep", kwargs={"level": level})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.collective_rpc("wake_up", kwargs={"tags": tags})

@@ -1,0 +1,220 @@
+"""ModelRunner: turns scheduler deltas into model inputs, runs the model, samples.
+
+It keeps each running request's state between steps (its tokens, block table and progress), so
+the scheduler only sends what changed. Every rank runs the same code on the same inputs and samples
+with identically seeded generators, so tensor-parallel ranks stay in step without exchanging the
+sampled tokens; only the output rank's reply is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from shardserve.model.llama import LlamaForCausalLM
+from shardserve.model.loader import iter_weights
+from shardserve.model.sampler import RequestSamplingState, Sampler, SamplingMetadata
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    sampling: RequestSamplingState  # owns the prompt and output token lists
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole history."""
+        prompt, output = self.sampling.prompt_token_ids, self.sampling.output_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return output[start - n : end - n]
+        return prompt[start:] + output[: end - n]
+
+
+@dataclass
+class _PendingSample:
+    """What execute_model leaves for sample_tokens: the rows that need a token."""
+
+    states: list[CachedRequestState]
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.arch = config.model_config.arch
+        self.dtype = config.model_config.torch_dtype
+        self.block_size = config.cache_config.block_size
+        self.model: LlamaForCausalLM | None = None
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.generator = torch.Generator().manual_seed(config.model_config.seed)
+        self._pending: _PendingSample | None = None
+
+    # ---- setup ----
+    def load_model(self) -> None:
+        model = LlamaForCausalLM(self.arch, self.dtype, self.device)
+        model.load_weights(iter_weights(self.config.model_config.path))
+        self.model = model.eval()
+
+    def kv_cache_block_bytes(self) -> int:
+        model = self._require_model()
+        return kv_cache_bytes_per_block(
+            model.num_layers, self.block_size, model.local_num_kv_heads, model.head_dim, self.dtype
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        model = self._require_model()
+        self.kv_cache_config = kv_cache_config
+        self.kv_caches = allocate_kv_cache(
+            model.num_layers,
+            kv_cache_config.num_blocks,
+            kv_cache_config.block_size,
+            model.local_num_kv_heads,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One small forward so that first-call costs (allocator, kernels) are paid now."""
+        n = min(self.block_size, 8)
+        meta = AttentionMetadata.build([n], [n], [[0]], self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self._require_model()(ids, meta, self._require_kv())
+        self._require_model().compute_logits(hidden[meta.logits_indices])
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = None
+
+    def free_model(self) -> None:
+        self.model = None
+
+    # ---- one step ----
+    def update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            sampling = RequestSamplingState(
+                params=new.sampling_params,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+            )
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, sampling, list(new.block_ids), new.num_computed_tokens
+            )
+        cached = so.scheduled_cached_reqs
+        for rid, blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests[rid]
+            state.block_ids.extend(blocks)
+            state.num_computed_tokens = computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        self.update_states(so)
+        self._pending = None
+        if so.total_num_scheduled_tokens == 0:
+            return
+        order = so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
+        states = [self.requests[rid] for rid in order]
+        query_lens = [so.num_scheduled_tokens[rid] for rid in order]
+        input_ids, meta = self._prepare_inputs(states, query_lens)
+        hidden = self._require_model()(input_ids, meta, self._require_kv())
+        # Only requests whose every token is now computed get a new token (not mid-prefill ones).
+        rows = [
+            i
+            for i, (s, n) in enumerate(zip(states, query_lens, strict=True))
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        for s, n in zip(states, query_lens, strict=True):
+            s.num_computed_tokens += n
+        if rows:
+            idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
+            logits = self._require_model().compute_logits(hidden[idx])
+            self._pending = _PendingSample([states[i] for i in rows], logits)
+
+    def _prepare_inputs(
+        self, states: list[CachedRequestState], query_lens: list[int]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        tokens: list[int] = []
+        seq_lens = []
+        for s, n in zip(states, query_lens, strict=True):
+            start = s.num_computed_tokens
+            tokens.extend(s.token_ids(start, start + n))
+            seq_lens.append(start + n)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
+        )
+        input_ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        return input_ids, meta
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return ModelRunnerOutput.empty()
+        meta = SamplingMetadata.build(
+            [s.sampling for s in pending.states],
+            self.arch.vocab_size,
+            self.arch.eos_token_ids,
+            device=self.device,
+            generator=self.generator,
+        )
+        mask = self._allowed_mask(pending.states, grammar_output)
+        out = self.sampler(pending.logits, meta, mask)
+        sampled = out.sampled_token_ids.cpu().numpy()
+        for s, token in zip(pending.states, sampled.tolist(), strict=True):
+            s.sampling.output_token_ids.append(token)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in pending.states],
+            sampled_token_ids=sampled,
+            logprob_token_ids=_to_numpy(out.logprob_token_ids),
+            logprobs=_to_numpy(out.logprobs),
+            sampled_token_ranks=_to_numpy(out.sampled_token_ranks),
+        )
+
+    def _allowed_mask(
+        self, states: list[CachedRequestState], grammar_output: GrammarOutput | None
+    ) -> torch.Tensor | None:
+        if grammar_output is None:
+            return None
+        mask = torch.ones(len(states), self.arch.vocab_size, dtype=torch.bool)
+        row_of = {rid: i for i, rid in enumerate(grammar_output.req_ids)}
+        for i, s in enumerate(states):
+            if s.req_id in row_of:
+                mask[i] = torch.from_numpy(grammar_output.allowed_token_mask[row_of[s.req_id]])
+        return mask.to(self.device)
+
+    def _require_model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded (call load_model, or wake_up after sleep)")
+        return self.model
+
+    def _require_kv(self) -> list[torch.Tensor]:
+        if self.kv_caches is None:
+            raise RuntimeError(
+                "the KV cache is not allocated (call initialize_from_config, or wake_up after sleep)"
+            )
+        return self.kv_caches
+
+
+def _to_numpy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.cpu().numpy()

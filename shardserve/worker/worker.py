@@ -1,0 +1,142 @@
+"""Worker: the object every executor backend drives, by method name, on every rank.
+
+Its public methods are the executor's vocabulary (`collective_rpc("load_model")` and so on); the
+same class runs in-process (uni), in a worker process (mp, ray_v2) or inside a Ray actor (ray).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+
+from shardserve import envs
+from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
+from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def run_method(obj: Any, method: str | Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Call a method by name, or a callable with `obj` as its first argument."""
+    if isinstance(method, str):
+        fn = getattr(obj, method, None)
+        if fn is None or method.startswith("_"):
+            raise AttributeError(f"{type(obj).__name__} has no public method {method!r}")
+    else:
+        fn = functools.partial(method, obj)
+    return fn(*args, **kwargs)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+        local_world_size: int | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = config.parallel_config.world_size
+        self.local_world_size = local_world_size or self.world_size
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.config.device_config.device == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        threads = envs.num_threads()
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if self.world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("a multi-rank worker needs distributed_init_method")
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            init_distributed(self.rank, self.world_size, self.distributed_init_method, backend)
+        torch.manual_seed(self.config.model_config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner = ModelRunner(self.config, self.device)
+        self.model_runner.load_model()
+
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give to its KV cache."""
+        cache = self.config.cache_config
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * cache.kv_cache_memory_fraction)
+        # Ranks on one machine share its memory.
+        free = psutil.virtual_memory().available
+        return int(free * cache.kv_cache_memory_fraction / self.local_world_size)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        return self._runner().kv_cache_block_bytes()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self._runner().initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        self._runner().warm_up()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._runner().execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self._runner().sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        """Raises if this worker cannot serve (the call reaching us proves the process is alive)."""
+        runner = self._runner()
+        if runner.model is None:
+            raise RuntimeError(f"worker rank {self.rank} has no model loaded")
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache; level 2 also frees the weights (reloaded on wake_up)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level!r} must be 1 or 2")
+        runner = self._runner()
+        if runner.requests:
+            raise RuntimeError(f"cannot sleep with {len(runner.requests)} requests in flight")
+        runner.free_kv_cache()
+        if level == 2:
+            runner.free_model()
+        gc.collect()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: tags 'weights' and/or 'kv_cache' (default: both)."""
+        tags = tags or ["weights", "kv_cache"]
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} unknown; use 'weights', 'kv_cache'")
+        runner = self._runner()
+        if "weights" in tags and runner.model is None:
+            runner.load_model()
+        if "kv_cache" in tags and runner.kv_caches is None and runner.kv_cache_config is not None:
+            runner.initialize_kv_cache(runner.kv_cache_config)
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+        if self.world_size > 1:
+            destroy_distributed()
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError(f"worker rank {self.rank}: load_model has not run (or shut down)")
+        return self.model_runner
