@@ -121,7 +121,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     """KV-cache budget per worker in bytes; overrides kv_cache_memory_fraction."""
     kv_cache_memory_fraction: float = 0.1
-    """Fraction of the memory free at start-up given to the KV cache (shared by a machine's ranks)."""
+    """Fraction of free memory at start-up given to the KV cache (split among a machine's ranks)."""
     num_blocks_override: int | None = None
     """Force this many KV blocks (testing preemption with a tiny cache)."""
 

@@ -39,7 +39,8 @@ class EngineCore:
         max_len = self.config.model_config.max_model_len
         if num_blocks * cache.block_size < max_len:
             raise ValueError(
-                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks of "
+                f"the KV cache holds {num_blocks * cache.block_size} tokens "
+                f"({num_blocks} blocks of "
                 f"{cache.block_size}, {block_bytes} bytes each, from {available} bytes available) "
                 f"but max_model_len={max_len}: lower max_model_len or raise "
                 f"kv_cache_memory_bytes / kv_cache_memory_fraction"

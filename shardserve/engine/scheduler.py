@@ -76,7 +76,11 @@ class Scheduler:
         )
 
     def _schedule_running(
-        self, budget: int, num_tokens: dict[str, int], cached: CachedRequestData, preempted: set[str]
+        self,
+        budget: int,
+        num_tokens: dict[str, int],
+        cached: CachedRequestData,
+        preempted: set[str],
     ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -189,7 +193,8 @@ def _logprobs_entry(output: ModelRunnerOutput, j: int) -> list[dict[int, tuple[f
         return None
     ids = output.logprob_token_ids[j].tolist()
     lps = output.logprobs[j].tolist()
-    sampled_rank = int(output.sampled_token_ranks[j]) if output.sampled_token_ranks is not None else 0
+    ranks = output.sampled_token_ranks
+    sampled_rank = int(ranks[j]) if ranks is not None else 0
     entry = {ids[0]: (lps[0], sampled_rank)}
     for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
         entry.setdefault(tid, (lp, rank))

@@ -15,7 +15,11 @@ import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from shardserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from shardserve.model.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+)
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
 from shardserve.model.sampler import RequestSamplingState, Sampler, SamplingMetadata
@@ -211,7 +215,8 @@ class ModelRunner:
     def _require_kv(self) -> list[torch.Tensor]:
         if self.kv_caches is None:
             raise RuntimeError(
-                "the KV cache is not allocated (call initialize_from_config, or wake_up after sleep)"
+                "the KV cache is not allocated "
+                "(call initialize_from_config, or wake_up after sleep)"
             )
         return self.kv_caches
 
