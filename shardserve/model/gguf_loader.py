@@ -170,7 +170,7 @@ def _read_cached(path: str, mtime_ns: int, size: int) -> tuple[GGUFFile, mmap.mm
     try:
         return _parse(memoryview(mm), Path(path)), mm
     except (struct.error, UnicodeDecodeError, OverflowError, ValueError) as e:
-        mm.close()
+        # No mm.close(): views into it may still be alive in the traceback; GC unmaps it.
         if isinstance(e, GGUFFormatError):
             raise
         raise GGUFFormatError(f"truncated or corrupt GGUF ({e})") from e

@@ -88,9 +88,11 @@ def read_arch(path: Path) -> ModelArch:
             return _hf_arch(path)
         return gguf_arch(path)
     except ValueError as e:
-        if str(path) in str(e):
+        message = str(e)
+        if "supported" in message and str(path) in message:
             raise
-        raise ValueError(f"{path}: {e}; {_supported()}") from e
+        prefix = "" if str(path) in message else f"{path}: "
+        raise ValueError(f"{prefix}{message}; {_supported()}") from e
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: incomplete model config (missing {e}); {_supported()}") from e
 

