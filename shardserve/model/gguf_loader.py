@@ -282,7 +282,11 @@ def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch) -> Callable[[T
 
     def load(t: TensorInfo) -> torch.Tensor:
         raw = np.frombuffer(buf, dtype=np.uint8, count=_nbytes(t), offset=t.offset)
-        values = dequantize(raw.reshape(*t.shape[:-1], -1), GGMLQuantizationType(t.ggml_type))
+        qtype = GGMLQuantizationType(t.ggml_type)
+        try:
+            values = dequantize(raw.reshape(*t.shape[:-1], -1), qtype)
+        except NotImplementedError as e:
+            raise ValueError(f"{gf.path}: tensor {t.name}: {qtype.name} is not supported") from e
         values = values.reshape(t.shape)
         if permute and ".attn_q." in t.name:
             values = unpermute_rope_rows(values, arch.num_heads)

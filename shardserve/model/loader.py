@@ -177,7 +177,14 @@ def _hf_arch(path: Path) -> ModelArch:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
+    """The weight files: those the shard index names when there is one (some repos also ship a
+    differently-named consolidated copy beside the HF shards), else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weight files; {_supported()}")
     return files
@@ -192,10 +199,12 @@ def _safetensors_keys(path: Path) -> set[str]:
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # lm_head.weight is yielded exactly when the head is untied, whatever the checkpoint holds.
+    tied = _hf_arch(path).tie_word_embeddings
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 # Old checkpoints carry the rotary inv_freq buffer; it is recomputed, not loaded.
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
                 yield name, f.get_tensor(name)

@@ -323,3 +323,24 @@ def test_copied_gguf_reads_same_arch(tmp_path: Path, default_model_path: Path) -
     copy = shutil.copy(default_model_path, tmp_path / "copy.GGUF")
     assert read_arch(resolve_model_path(copy)) == read_arch(default_model_path)
     assert isinstance(read_arch(default_model_path), ModelArch)
+
+
+def test_hf_index_and_inferred_tie(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Only files named by the shard index are read, and a config without tie_word_embeddings
+    is tied exactly when the checkpoint has no lm_head.weight."""
+    from safetensors.torch import save_file
+
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "m"))
+    expected = dict(iter_weights(tiny_llama_dir))
+    weight_map = dict.fromkeys(expected, "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"bogus": torch.zeros(2)}, str(folder / "consolidated.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not read_arch(folder).tie_word_embeddings
+    assert set(dict(iter_weights(folder))) == set(expected)
+
+    config["tie_word_embeddings"] = True  # a tied config never yields lm_head.weight
+    (folder / "config.json").write_text(json.dumps(config))
+    assert "lm_head.weight" not in dict(iter_weights(folder))
