@@ -1,0 +1,218 @@
+"""The `shardserve` command line: `shardserve generate "prompt" ...`.
+
+Subcommands are registered in SUBCOMMANDS, one line each: a dotted path to a class with `name`,
+`help`, `add_arguments(parser)` and `run(args) -> int` (see `GenerateCommand`). A subcommand that
+builds an engine calls `add_engine_args(parser)` and `engine_kwargs(args)`: every engine option is
+a flag derived from the config dataclasses' init fields (name, type, default, and the attribute
+docstring as help), so a new config field appears on the command line without editing this file.
+
+Exit codes: 0 success, 2 bad input (`error: <message>` on stderr, no traceback), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import importlib
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shardserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+# name -> "module:Class". Adding a subcommand is one line here.
+SUBCOMMANDS: dict[str, str] = {
+    "generate": "shardserve.entrypoints.cli_generate:GenerateCommand",
+}
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+ENGINE_CONFIGS: tuple[type, ...] = (
+    ModelConfig,
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    DeviceConfig,
+)
+# Fields that are not flags: `model` is --model, ModelConfig.device comes from DeviceConfig.
+_HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {ModelConfig: frozenset({"model", "device"})}
+# The engine's `seed` would clash with the per-request sampling --seed.
+_ENGINE_RENAMES = {"seed": "engine-seed"}
+# Help for fields without an attribute docstring in config.py (the docstring wins when added).
+_ENGINE_HELP = {
+    "tensor_parallel_size": "Ranks that shard each layer.",
+    "pipeline_parallel_size": "Pipeline stages (only 1 is supported).",
+    "enable_chunked_prefill": "Split long prompts across steps to fit the token budget.",
+}
+
+
+class CLIError(ValueError):
+    """Bad input from the user: reported as `error: <message>`, exit status 2."""
+
+
+class Subcommand(Protocol):
+    name: str
+    help: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+# ---- flags derived from dataclass fields ----
+@dataclass(frozen=True)
+class FieldFlag:
+    """One dataclass field exposed as a command-line flag."""
+
+    field: str
+    flag: str
+    dest: str
+    annotation: str
+    default: Any
+    help: str
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings (a string literal right under a field) of a dataclass."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def dataclass_flags(
+    cls: type,
+    prefix: str,
+    hidden: frozenset[str] = frozenset(),
+    renames: dict[str, str] | None = None,
+    extra_help: dict[str, str] | None = None,
+) -> list[FieldFlag]:
+    """A flag per init field of `cls`: `max_model_len` -> `--max-model-len`."""
+    docs = {**(extra_help or {}), **field_docs(cls)}
+    flags = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in hidden:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        name = (renames or {}).get(f.name, f.name.replace("_", "-"))
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+        flags.append(
+            FieldFlag(f.name, f"--{name}", f"{prefix}:{f.name}", annotation, default,
+                      docs.get(f.name, ""))
+        )
+    return flags
+
+
+def _type_parts(annotation: str) -> set[str]:
+    return {p.strip() for p in annotation.split("|")} - {"None"}
+
+
+def add_flags(group: argparse._ActionsContainer, flags: list[FieldFlag]) -> None:
+    """Add each flag with a type from its annotation; unset flags leave no attribute."""
+    for flag in flags:
+        text = f"{flag.help} (default: {flag.default})".strip().replace("%", "%%")
+        common = dict(dest=flag.dest, default=argparse.SUPPRESS, help=text)
+        parts = _type_parts(flag.annotation)
+        if parts == {"bool"}:
+            group.add_argument(flag.flag, action=argparse.BooleanOptionalAction, **common)
+        elif "list[int]" in parts:
+            group.add_argument(flag.flag, type=int, nargs="+", metavar="INT", **common)
+        elif "list[str]" in parts:
+            group.add_argument(flag.flag, action="append", metavar="STR", **common)
+        elif parts <= {"int"}:
+            group.add_argument(flag.flag, type=int, metavar="INT", **common)
+        elif parts <= {"float", "int"}:
+            group.add_argument(flag.flag, type=float, metavar="FLOAT", **common)
+        else:
+            group.add_argument(flag.flag, metavar="STR", **common)
+
+
+def collect(args: argparse.Namespace, flags: list[FieldFlag]) -> dict[str, Any]:
+    """The keyword arguments of the flags the user gave."""
+    values = vars(args)
+    return {f.field: values[f.dest] for f in flags if f.dest in values}
+
+
+# ---- engine options ----
+def engine_flags() -> list[FieldFlag]:
+    flags = []
+    for cls in ENGINE_CONFIGS:
+        hidden = _HIDDEN_ENGINE_FIELDS.get(cls, frozenset())
+        flags += dataclass_flags(cls, "engine", hidden, _ENGINE_RENAMES, _ENGINE_HELP)
+    return flags
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model plus one flag per engine option (see config.py)."""
+    group = parser.add_argument_group(
+        "engine options", "Derived from the fields of shardserve/config.py. --engine-seed is "
+        "the engine's seed (ModelConfig.seed); --seed is the per-request sampling seed."
+    )
+    group.add_argument(
+        "--model", default=None, help=field_docs(ModelConfig).get("model", "model path")
+    )
+    add_flags(group, engine_flags())
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for `LLM(args.model, **engine_kwargs(args))`: only the flags given."""
+    return collect(args, engine_flags())
+
+
+# ---- entry point ----
+def load_subcommand(path: str) -> Subcommand:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardserve", description="shardserve: an LLM inference engine."
+    )
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
+    for path in SUBCOMMANDS.values():
+        command = load_subcommand(path)
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, OSError) as e:  # bad input: a model path, a file, a value
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
