@@ -32,6 +32,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests the workers still hold state for and must be told to drop.
         self._finished_ids: set[str] = set()
+        self.total_preemptions = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -134,6 +135,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.total_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---- results back ----
