@@ -336,3 +336,51 @@ def test_abort_during_a_step_drops_that_requests_output():
     assert s.kv.block_ids("a") == [] and s.kv.num_free_blocks == 15
     nxt = s.schedule()
     assert nxt.finished_req_ids == {"a"} and nxt.num_scheduled_tokens == {"b": 1}
+
+
+def test_random_arrivals_and_aborts_keep_invariants():
+    rng = random.Random(3)
+    s, w = make(num_blocks=20, block_size=4, max_model_len=64, max_num_seqs=4,
+                max_num_batched_tokens=16)
+    run, aborted, want, next_id = Run(), set(), {}, 0
+    while next_id < 40 or s.has_unfinished_requests():
+        assert len(run.steps) < 3000
+        if next_id < 40 and rng.random() < 0.5:
+            rid, next_id = f"r{next_id}", next_id + 1
+            want[rid] = rng.randrange(1, 15)
+            s.add_request(req(rid, rng.randrange(1, 30), max_tokens=want[rid]))
+        if not s.has_unfinished_requests():
+            continue
+        so = s.schedule()
+        check_invariants(s, so)
+        out = w.execute(so)
+        if so.num_scheduled_tokens and rng.random() < 0.1:  # abort mid-step
+            victim = rng.choice(sorted(so.num_scheduled_tokens))
+            s.abort_requests([victim])
+            aborted.add(victim)
+        res = s.update_from_output(so, out)
+        assert not {o.request_id for o in res} & aborted
+        record(run, so, out, res)
+    done = {rid for rid in want if rid not in aborted}
+    assert {rid: len(run.tokens[rid]) for rid in done} == {rid: want[rid] for rid in done}
+    assert all(len(run.tokens.get(rid, [])) < want[rid] for rid in aborted)
+    assert s.kv.num_free_blocks == 20
+
+
+def test_logprobs_rows_follow_their_request():
+    s, w = make()
+    s.add_request(req("a", 4, max_tokens=3))
+    s.add_request(req("b", 4, max_tokens=3))
+    so = s.schedule()
+    w.execute(so)
+    out = ModelRunnerOutput(
+        req_ids=["a", "b"],
+        sampled_token_ids=np.array([5, 9]),
+        logprob_token_ids=np.array([[5, 5, 6], [9, 3, 9]]),
+        logprobs=np.array([[-0.5, -0.5, -1.5], [-2.0, -0.1, -2.0]]),
+        sampled_token_ranks=np.array([1, 2]),
+    )
+    res = {o.request_id: o for o in s.update_from_output(so, out)}
+    assert res["a"].new_token_ids == [5]
+    assert res["a"].new_logprobs == [{5: (-0.5, 1), 6: (-1.5, 2)}]
+    assert res["b"].new_logprobs == [{9: (-2.0, 2), 3: (-0.1, 1)}]
