@@ -22,7 +22,7 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: list.remove must not compare token lists
 class Request:
     request_id: str
     prompt_token_ids: list[int]
