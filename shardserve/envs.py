@@ -40,3 +40,40 @@ def num_threads() -> int:
 def rpc_stall_warning_s() -> float:
     """SHARDSERVE_RPC_STALL_WARNING_S: how often a call that waits on workers logs who it waits for."""
     return _get_float("SHARDSERVE_RPC_STALL_WARNING_S", 60.0)
+
+
+# --- shardserve/ipc (MessageQueue) ---------------------------------------------------------------
+
+
+def ipc_spin_us() -> float | None:
+    """SHARDSERVE_IPC_SPIN_US: how long a MessageQueue side polls before blocking in the kernel.
+
+    Unset: decided from the CPU affinity (spin only when cores outnumber the spinning processes).
+    """
+    raw = os.environ.get("SHARDSERVE_IPC_SPIN_US")
+    return None if raw is None or raw == "" else _get_float("SHARDSERVE_IPC_SPIN_US", 0.0)
+
+
+def ipc_recheck_ms() -> float:
+    """SHARDSERVE_IPC_RECHECK_MS: longest single blocking wait before shared state is re-read."""
+    return _get_float("SHARDSERVE_IPC_RECHECK_MS", 50.0)
+
+
+def ipc_warn_interval_s() -> float:
+    """SHARDSERVE_IPC_WARN_INTERVAL_S: how often a waiting queue side logs who it waits for."""
+    return _get_float("SHARDSERVE_IPC_WARN_INTERVAL_S", 60.0)
+
+
+def ipc_drop_notify() -> bool:
+    """SHARDSERVE_IPC_DROP_NOTIFY: test switch; writers send no wake-ups (readers recheck only)."""
+    return _get_bool("SHARDSERVE_IPC_DROP_NOTIFY", False)
+
+
+def ipc_oob_threshold() -> int:
+    """SHARDSERVE_IPC_OOB_THRESHOLD: pickle buffers of at least this many bytes go out-of-band."""
+    return int(_get_float("SHARDSERVE_IPC_OOB_THRESHOLD", float(1 << 20)))
+
+
+def host_ip() -> str | None:
+    """SHARDSERVE_HOST_IP: address remote readers connect to when `connect_ip` is not given."""
+    return os.environ.get("SHARDSERVE_HOST_IP") or None
