@@ -27,6 +27,35 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _weight_param(rows: int, cols: int, dtype: torch.dtype, device) -> nn.Parameter:
+    """A [rows, cols] weight (HF [out, in] convention), stored column-major for float32.
+
+    Measured on AVX-512 CPUs: for the batch-1 decode matvec, float32 `x @ W_t` with W_t
+    contiguous [in, out] streams memory about 2x faster than `F.linear(x, W)`, while for bf16 and
+    fp16 the row-major `F.linear` kernels are the fast ones (fp16 `x @ W_t` is far slower). The
+    logical shape and values are the same either way; only `linear`/`embedding` look at strides.
+    """
+    if dtype == torch.float32:
+        storage = torch.empty(cols, rows, dtype=dtype, device=device)
+        return nn.Parameter(storage.t(), requires_grad=False)
+    return _empty_param(rows, cols, dtype=dtype, device=device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias), choosing the kernel that suits the weight's storage order."""
+    if weight.stride(-1) == 1:
+        return F.linear(x, weight, bias)
+    out = torch.matmul(x, weight.t())  # weight.t() is a contiguous [in, out] matrix
+    return out if bias is None else out.add_(bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of `weight` for `ids`; gathers columns of the storage when it is column-major."""
+    if weight.stride(-1) == 1:
+        return F.embedding(ids, weight)
+    return weight.t().index_select(1, ids).t()
+
+
 def _copy_into(param: nn.Parameter, src: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(src.shape)}")
@@ -35,8 +64,63 @@ def _copy_into(param: nn.Parameter, src: torch.Tensor) -> None:
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by tensor-parallel size {denominator}")
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor-parallel size {denominator}"
+        )
     return numerator // denominator
+
+
+def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN-prepacked copy of a bf16 CPU weight, or None where that does not apply.
+
+    Measured: prepacked bf16 matmuls run ~1.7x faster than `F.linear` for batch-1 decode
+    (and no slower for large batches); results are identical.
+    """
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class MatmulLayer(nn.Module):
+    """A layer computing x @ weight.T, optionally from a prepacked copy of the weight.
+
+    After `pack_weight()` the packed copy is the source of truth and (unless keep_dense) the
+    parameter becomes a stride-0 placeholder with the right shape, so no memory is doubled.
+    `unpack_weight()` restores the dense parameter (done before any reload).
+    """
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+    _dense_dropped: bool = False
+
+    def pack_weight(self, keep_dense: bool = False) -> None:
+        self.unpack_weight()
+        packed = _mkldnn_pack(self.weight.data)
+        if packed is None:
+            return
+        self.packed = packed
+        if not keep_dense:
+            w = self.weight.data
+            self.weight.data = torch.empty(1, dtype=w.dtype).as_strided(w.shape, (0,) * w.dim())
+            self._dense_dropped = True
+
+    def unpack_weight(self) -> None:
+        if self.packed is None:
+            return
+        if self._dense_dropped:
+            self.weight.data = self.packed.to_dense()
+            self._dense_dropped = False
+        self.packed = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return linear(x, self.weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +146,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(residual, self.shape, self.weight, self.eps), residual
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(MatmulLayer):
     """y = x W^T (+ b) with W split along the output dim; each rank yields its output slice.
 
     `output_sizes` lists the full sizes of logically separate matrices stacked along the output
@@ -85,7 +169,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [_divide(n, self.tp_size, "output size") for n in output_sizes]
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out_local = sum(self.local_sizes)
-        self.weight = _empty_param(out_local, input_size, dtype=dtype, device=device)
+        self.weight = _weight_param(out_local, input_size, dtype, device)
         self.weight.weight_loader = self.weight_loader
         self.bias = _empty_param(out_local, dtype=dtype, device=device) if bias else None
         if self.bias is not None:
@@ -107,13 +191,13 @@ class ColumnParallelLinear(nn.Module):
         _copy_into_rows(param, local, self.local_offsets[idx])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 def _copy_into_rows(param: nn.Parameter, src: torch.Tensor, offset: int) -> None:
     dst = param.data.narrow(0, offset, src.shape[0])
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)} vs {tuple(src.shape)}")
+        raise ValueError(f"shape mismatch: slice {tuple(dst.shape)} vs {tuple(src.shape)}")
     dst.copy_(src)
 
 
@@ -128,6 +212,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection, sharded by heads. Shard ids are "q", "k", "v".
 
     Local output layout: [q heads of this rank | k heads of this rank | v heads of this rank].
+    With `rope_interleave`, q and k rows are stored in `rope_interleave_perm` order per head.
     """
 
     _IDS = {"q": 0, "k": 1, "v": 2}
@@ -141,9 +226,19 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device="cpu",
+        rope_interleave: bool = False,
     ) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, dtype, device)
+        self.head_dim = head_dim
+        self.rope_perm = rope_interleave_perm(head_dim) if rope_interleave else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        if self.rope_perm is not None and shard_id in ("q", "k"):
+            # Reorder each head's rows to interleaved RoPE pairs (q and k alike).
+            heads = full.view(-1, self.head_dim, *full.shape[1:])
+            full = heads.index_select(1, self.rope_perm).reshape(full.shape)
+        super().weight_loader(param, full, shard_id)
 
     def _shard_index(self, shard_id: object) -> int:
         if shard_id not in self._IDS:
@@ -151,7 +246,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self._IDS[shard_id]  # type: ignore[index]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(MatmulLayer):
     """y = x W^T (+ b) with W split along the input dim; partial sums are all-reduced.
 
     The input is expected already split (the output of a column-parallel layer), so no scatter
@@ -166,7 +261,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.tp_rank = tp.rank
         self.local_in = _divide(input_size, tp.world_size, "input size")
-        self.weight = _empty_param(output_size, self.local_in, dtype=dtype, device=device)
+        self.weight = _weight_param(output_size, self.local_in, dtype, device)
         self.weight.weight_loader = self.weight_loader
         self.bias = _empty_param(output_size, dtype=dtype, device=device) if bias else None
         if self.bias is not None:
@@ -177,12 +272,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        out = self.tp.all_reduce(self._matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(MatmulLayer):
     """Embedding table split along the vocab; each rank owns a contiguous range of token ids.
 
     The vocab is padded up to a multiple of the TP size so every shard has the same row count;
@@ -199,7 +294,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = self.padded_vocab // tp.world_size
         self.vocab_start = tp.rank * self.rows_per_rank
         self.vocab_end = self.vocab_start + self.rows_per_rank
-        self.weight = _empty_param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
+        self.weight = _weight_param(self.rows_per_rank, hidden_size, dtype, device)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
@@ -211,10 +306,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return embedding(input_ids, self.weight)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start) * in_range  # out-of-range ids -> row 0
-        out = F.embedding(local_ids, self.weight)
+        out = embedding(local_ids, self.weight).contiguous()
         out.masked_fill_(~in_range.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -222,12 +317,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding; logits are gathered to the full vocab."""
 
-    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+    tied = False
+
+    def tie_to(self, embed: VocabParallelEmbedding) -> None:
         # Both layers shard the vocab identically, so the local slices coincide.
-        self.weight = embedding.weight
+        self.weight = embed.weight
+        self.tied = True
+
+    def pack_weight(self, keep_dense: bool = False) -> None:
+        # A tied table must stay dense for the embedding lookup, so packing costs a copy.
+        super().pack_weight(keep_dense=keep_dense or self.tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self._matmul(hidden, None)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         if self.padded_vocab != self.vocab_size:
@@ -269,12 +371,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE ("rotate half") from a precomputed [positions, 2, head_dim] table.
+def rope_interleave_perm(head_dim: int) -> torch.Tensor:
+    """Row order that turns HF's "rotate half" pairs (j, j + D/2) into adjacent pairs (2j, 2j+1).
 
-    Row p holds cos(p*f) and a signed sin, so rotate_half(x) * sin == roll(x, D/2) * signed_sin
-    and the rotation is three ops: x*cos, roll, addcmul. The table grows on demand (doubling),
-    driven by the max sequence length known to the host, never by reading device tensors.
+    Applied to the q and k projection rows of every head at load time. Attention scores only
+    use q . k, which is invariant to permuting q and k the same way, so the model is unchanged,
+    but the rotation becomes one in-place complex multiply on adjacent pairs.
+    """
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on interleaved pairs (see `rope_interleave_perm`) as a complex multiply.
+
+    The table holds cis(p * f) = cos + i sin for positions 0..P-1 as complex64; it grows on
+    demand (doubling), driven by the host-side max sequence length, never by reading tensors.
     """
 
     def __init__(
@@ -282,29 +394,27 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.dtype = dtype
-        # HF computes inverse frequencies in float32; do the same so positions match bit-for-bit
-        # as closely as possible.
+        # HF computes the angles in float32 (float32 inverse frequencies times positions).
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).float().to(device)
-        self.table = torch.empty(0, 2, head_dim, dtype=dtype, device=device)
+        self.table = torch.empty(0, head_dim // 2, dtype=torch.complex64, device=device)
 
     def _build(self, num_positions: int) -> None:
         pos = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(pos, self.inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
-        self.table = table.to(self.dtype)
+        angles = torch.outer(pos, self.inv_freq)
+        self.table = torch.polar(torch.ones_like(angles), angles)
 
     def lookup(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """Table rows for `positions` ([T, 2, D]); `max_position` bounds positions (host int)."""
+        """cis rows [T, 1, D/2] for `positions`; `max_position` bounds them (a host int)."""
         if max_position >= self.table.shape[0]:
             self._build(max(2 * self.table.shape[0], max_position + 1, 256))
-        return self.table.index_select(0, positions)
+        return self.table.index_select(0, positions).unsqueeze(1)
 
     @staticmethod
-    def apply_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """Rotate x [T, heads, D] in place (x may be a strided view into a fused qkv output)."""
-        cos = cos_sin[:, 0:1]
-        sin = cos_sin[:, 1:2]
-        rolled = x.roll(x.shape[-1] // 2, dims=-1)
-        torch.addcmul(x * cos, rolled, sin, out=x)
+    def apply_(x: torch.Tensor, cis: torch.Tensor) -> None:
+        """Rotate x [T, heads, D] (interleaved pairs) in place; x may be a view into qkv."""
+        pairs = x.view(*x.shape[:-1], -1, 2)
+        if x.dtype == torch.float32:
+            torch.view_as_complex(pairs).mul_(cis)
+        else:  # no bf16 complex type: rotate in float32 and write back
+            rotated = torch.view_as_complex(pairs.float()) * cis
+            pairs.copy_(torch.view_as_real(rotated))

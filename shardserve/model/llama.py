@@ -22,6 +22,7 @@ from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model.arch import ModelArch
 from shardserve.model.attention import AttentionMetadata, paged_attention
 from shardserve.model.layers import (
+    MatmulLayer,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -58,6 +59,7 @@ class LlamaAttention(nn.Module):
             bias=arch.attention_bias,
             dtype=dtype,
             device=device,
+            rope_interleave=True,
         )
         self.o_proj = RowParallelLinear(
             arch.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device
@@ -66,15 +68,16 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: torch.Tensor,
+        cis: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q | k | v], contiguous
-        # q and k are adjacent in qkv, so one in-place rotation covers both.
+        # q and k are adjacent in qkv, so one in-place rotation covers both (rows were permuted
+        # to interleaved RoPE pairs at load time; the cached K keeps that order).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-        RotaryEmbedding.apply_(qk, cos_sin)
+        RotaryEmbedding.apply_(qk, cis)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, kv, kv_cache, meta))
@@ -109,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: torch.Tensor,
+        cis: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.self_attn(h, cis, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -141,11 +144,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-        cos_sin = self.rotary.lookup(meta.positions, meta.max_seq_len)  # shared by all layers
+        cis = self.rotary.lookup(meta.positions, meta.max_seq_len)  # shared by all layers
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, cache, meta)
+            x, residual = layer(x, residual, cis, cache, meta)
         return self.norm(x, residual)[0]
 
 
@@ -197,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) HF tensors; each layer keeps its TP slice."""
+        self._set_packed(False)  # loaders write into the dense parameters
         params = dict(self.named_parameters())
         expected = _expected_pieces(params)
         loaded: set[tuple[str, object]] = set()
@@ -218,6 +222,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{n}" + ("" if s is None else f"[{s}]") for n, s in expected - loaded)
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing}")
+        self._set_packed(True)
+
+    def _set_packed(self, packed: bool) -> None:
+        """Switch matmul layers to (or back from) prepacked weights where the dtype gains."""
+        for module in self.modules():
+            if isinstance(module, MatmulLayer) and module is not self.model.embed_tokens:
+                if packed:
+                    module.pack_weight()
+                else:
+                    module.unpack_weight()
 
     def _resolve(self, hf_name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for an HF tensor name; None to skip it."""
