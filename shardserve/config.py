@@ -155,6 +155,8 @@ class ParallelConfig:
     """Deadline for every worker to load its model and report ready."""
     execute_timeout_s: float = 300.0
     """Deadline for one execute_model / sample_tokens call to answer."""
+    worker_cls: str = "shardserve.worker.worker.Worker"
+    """Dotted path of the Worker class each rank runs (a subclass may add methods)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

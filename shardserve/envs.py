@@ -38,7 +38,7 @@ def num_threads() -> int:
 
 
 def rpc_stall_warning_s() -> float:
-    """SHARDSERVE_RPC_STALL_WARNING_S: how often a call that waits on workers logs who it waits for."""
+    """SHARDSERVE_RPC_STALL_WARNING_S: how often a waiting call logs the ranks it waits for."""
     return _get_float("SHARDSERVE_RPC_STALL_WARNING_S", 60.0)
 
 

@@ -24,7 +24,7 @@ FailureCallback = Callable[[], None]
 # Backends by name; each module is imported only when chosen (Ray stays optional).
 _BACKENDS: dict[str, tuple[str, str] | str] = {
     "uni": ("shardserve.executor.uniproc", "UniProcExecutor"),
-    "mp": "the MultiprocExecutor capability (one process per rank over the shared-memory queue)",
+    "mp": ("shardserve.executor.multiproc", "MultiprocExecutor"),
     "ray": "the RayDistributedExecutor capability (Ray actors and compiled graphs)",
     "ray_v2": "the RayExecutorV2 capability (Ray-placed workers fed by the shared-memory queue)",
     "external_launcher": "the external-launcher capability (every torchrun rank runs the engine)",

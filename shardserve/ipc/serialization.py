@@ -24,6 +24,7 @@ import io
 import pickle
 import struct
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 INLINE = 1
@@ -88,7 +89,10 @@ def encode(obj: Any, oob_threshold: int) -> Encoded:
 
 def _pickler(f: io.BytesIO, callback: Any, cls: type) -> pickle.Pickler:
     p = cls(f, protocol=5, buffer_callback=callback)
-    p.dispatch_table = _dispatch_table(getattr(cls, "dispatch_table", copyreg.dispatch_table))
+    base = getattr(cls, "dispatch_table", None)  # the C Pickler has a descriptor here
+    if not isinstance(base, Mapping):
+        base = copyreg.dispatch_table
+    p.dispatch_table = _dispatch_table(base)
     return p
 
 

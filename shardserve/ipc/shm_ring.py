@@ -40,7 +40,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import multiprocessing.util as mp_util
 import os
+import platform
 import secrets
 import threading
 import weakref
@@ -53,6 +55,7 @@ NAME_PREFIX = "shardserve-mq-"
 _MAGIC = 0x5348_4152_444D_5131  # "SHARDMQ1"
 _VERSION = 1
 _GEN_MASK = 0xFFFF_FFFF
+_WEAK_ORDERING = platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386")
 # header word indices (u64)
 _H_MAGIC, _H_VERSION, _H_N_LOCAL, _H_MAX_CHUNKS, _H_CHUNK_BYTES = 0, 1, 2, 3, 4
 _H_WRITER_PID, _H_WRITER_START, _H_WRITER_CLOSED = 5, 6, 7
@@ -121,7 +124,7 @@ class ShmRing:
         ]
         self._fence_lock = threading.Lock()
         self._unlinked = not create
-        self._finalizer = weakref.finalize(self, _unlink_quiet, self.path) if create else None
+        self._finalizer = register_unlink(self, self.path) if create else None
         if create:
             self._init_header()
         else:
@@ -162,9 +165,15 @@ class ShmRing:
         return self._meta_addr + 4 * word_index
 
     def fence(self) -> None:
-        """Full barrier: a lock round trip is a locked RMW on x86 and acq/rel on ARM."""
-        with self._fence_lock:
-            pass
+        """Order our payload accesses before a flag store.
+
+        x86 (TSO) never reorders a store with earlier loads or stores, and the payload copy is
+        an opaque C call the compiler cannot move, so nothing is needed there. Elsewhere a lock
+        round trip gives acquire/release ordering.
+        """
+        if _WEAK_ORDERING:
+            with self._fence_lock:
+                pass
 
     # ---- flag protocol ---------------------------------------------------------------------
     def chunk_of(self, n: int) -> int:
@@ -245,6 +254,16 @@ class ShmRing:
         self._views.clear()
         del self._anchor
         self._mm.close()
+
+
+def register_unlink(owner: object, path: str) -> weakref.finalize:
+    """Unlink ``path`` when ``owner`` is collected or the interpreter exits.
+
+    multiprocessing children leave through os._exit (no atexit), so their exit hook is used too.
+    Calling the returned finalizer unlinks at once; detaching it cancels the GC/atexit unlink.
+    """
+    mp_util.Finalize(owner, _unlink_quiet, args=(path,), exitpriority=0)
+    return weakref.finalize(owner, _unlink_quiet, path)
 
 
 def _unlink_quiet(path: str) -> None:

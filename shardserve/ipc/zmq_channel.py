@@ -22,19 +22,14 @@ from typing import Any
 
 import zmq
 
+from shardserve.ipc.shm_ring import register_unlink
+
 KIND_MSG = b"M"
 KIND_READY = b"R"
 KIND_CLOSE = b"C"
 _HELLO = b"\xffshardserve-reader-"
 _SEND_RETRY_S = 0.0005
 _CLOSE_LINGER_MS = 2000  # queued messages still reach readers after the writer closes
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def hello_topic(rank: int) -> bytes:
@@ -69,7 +64,7 @@ class Publisher:
             self._path = os.path.join(tempfile.gettempdir(), name)
             self.sock.bind(f"ipc://{self._path}")
             # libzmq leaves the socket file behind; remove it at close, GC or exit.
-            self._finalizer = weakref.finalize(self, _unlink_quiet, self._path)
+            self._finalizer = register_unlink(self, self._path)
             return f"ipc://{self._path}"
 
         assert host is not None

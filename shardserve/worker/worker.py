@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,9 @@ class Worker:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         threads = envs.num_threads()
+        if threads == 0 and self.local_world_size > 1 and self.device.type == "cpu":
+            # Ranks sharing a machine split its cores; oversubscription makes every step slower.
+            threads = max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
         if threads > 0:
             torch.set_num_threads(threads)
         if self.world_size > 1:

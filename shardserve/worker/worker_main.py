@@ -1,0 +1,177 @@
+"""The entry point and busy loop of one worker process (mp backend; ray_v2 reuses the loop).
+
+Start-up, in order (the executor's side is in executor/worker_process.py):
+  1. watch the death pipe: EOF means the engine process is gone, even by SIGKILL → exit at once;
+  2. build the Worker, init_device (joins the TP process group), load_model;
+  3. create this rank's response queue and report READY with its handle (or FAILED with the
+     error) over the ready pipe;
+  4. attach to the broadcast queue, then wait for the executor to attach to the response queue.
+     Steps 3-4 must stay in this order: the executor attaches to response queues only after
+     READY, and waits for every rank to attach to the broadcast queue after that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shardserve.config import EngineConfig
+from shardserve.executor.rpc import SHUTDOWN, RemoteError, RpcReply, RpcRequest
+from shardserve.ipc import Handle, MessageQueue, QueueClosed
+from shardserve.worker.worker import run_method
+
+logger = logging.getLogger(__name__)
+
+ATTACH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class WorkerProcArgs:
+    """Everything a worker process is started with (pickled by the spawn start method)."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    local_world_size: int
+    distributed_init_method: str
+    broadcast_handle: Handle
+    ready_conn: Connection
+    death_conn: Connection
+    worker_cls: str = "shardserve.worker.worker.Worker"
+
+    @property
+    def label(self) -> str:
+        return f"Worker_TP{self.rank}"
+
+
+def worker_main(args: WorkerProcArgs) -> None:
+    """Process target. Exits 0 after a shutdown request, non-zero after a failure."""
+    _setup_process(args)
+    _watch_death_pipe(args.death_conn)
+    worker = response_mq = broadcast = None
+    try:
+        try:
+            worker = _build_worker(args)
+            response_mq = MessageQueue(1, 1, name=f"{args.label}-reply")
+        except BaseException as e:
+            args.ready_conn.send(("FAILED", RemoteError.capture(args.rank, os.getpid(), e)))
+            raise SystemExit(1) from e
+        args.ready_conn.send(("READY", response_mq.export_handle()))
+        broadcast = MessageQueue.create_from_handle(
+            args.broadcast_handle, args.rank, name=f"{args.label}-bcast"
+        )
+        broadcast.wait_until_ready(timeout=ATTACH_TIMEOUT_S)
+        response_mq.wait_until_ready(timeout=ATTACH_TIMEOUT_S)
+        run_busy_loop(worker, args.rank, broadcast, response_mq)
+    finally:
+        _close_all(worker, broadcast, response_mq)
+
+
+def _setup_process(args: WorkerProcArgs) -> None:
+    # Ctrl-C reaches the whole foreground process group; the engine process owns the reaction
+    # (a staged shutdown), so workers ignore SIGINT. SIGTERM unwinds through `finally`.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"shardserve::{args.label}")
+    except ImportError:
+        pass
+    from shardserve import envs
+
+    logging.basicConfig(
+        level=envs.log_level(),
+        format=f"({args.label} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _watch_death_pipe(conn: Connection) -> None:
+    def watch() -> None:
+        try:
+            conn.recv()  # the engine never writes; this returns only by EOF
+        except (EOFError, OSError):
+            pass
+        logger.error("the engine process is gone; exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="death-pipe", daemon=True).start()
+
+
+def _build_worker(args: WorkerProcArgs) -> Any:
+    module, _, name = args.worker_cls.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    worker = cls(
+        args.config,
+        rank=args.rank,
+        local_rank=args.local_rank,
+        distributed_init_method=args.distributed_init_method,
+        local_world_size=args.local_world_size,
+    )
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+def run_busy_loop(worker: Any, rank: int, broadcast: MessageQueue, replies: MessageQueue) -> None:
+    """Serve RpcRequests until a shutdown request or the broadcast queue closes.
+
+    Replies are sent by a separate thread, so the next request is read (and the next step
+    started) while the last reply is still being serialised.
+    """
+    outbox: queue.SimpleQueue[RpcReply | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_replies, args=(outbox, replies, rank), daemon=True)
+    sender.start()
+    pid = os.getpid()
+    try:
+        while True:
+            try:
+                request: RpcRequest = broadcast.dequeue()
+            except QueueClosed:
+                return
+            if request.method == SHUTDOWN:
+                return
+            try:
+                value = run_method(worker, request.decode_method(), request.args, request.kwargs)
+            except Exception as e:
+                outbox.put(RpcReply(request.call_id, rank, error=RemoteError.capture(rank, pid, e)))
+                continue
+            if request.reply_rank is None or request.reply_rank == rank:
+                outbox.put(RpcReply(request.call_id, rank, value))
+    finally:
+        outbox.put(None)
+        sender.join(timeout=5)
+
+
+def _send_replies(outbox: queue.SimpleQueue, replies: MessageQueue, rank: int) -> None:
+    while (reply := outbox.get()) is not None:
+        try:
+            replies.enqueue(reply)
+        except QueueClosed:
+            return
+        except Exception as e:  # e.g. a result that does not pickle: report it, don't go silent
+            error = RemoteError.capture(rank, os.getpid(), e)
+            replies.enqueue(RpcReply(reply.call_id, rank, error=error))
+
+
+def _close_all(worker: Any, *queues: MessageQueue | None) -> None:
+    if worker is not None:
+        try:
+            worker.shutdown()
+        except Exception:
+            logger.exception("worker shutdown failed")
+    for mq in queues:
+        if mq is not None:
+            mq.close()
