@@ -1,4 +1,4 @@
-"""Tensor-parallel-ready building blocks: norms, sharded linears, sharded vocab, RoPE tables.
+"""Tensor-parallel-ready building blocks: RMSNorm, sharded linears, sharded vocabulary.
 
 Every parameter-owning layer holds only this rank's slice and attaches a
 `weight_loader(param, full_tensor, shard_id=None)` to each parameter, so a checkpoint loader can
@@ -340,37 +340,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.compute_logits(hidden)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse RoPE frequencies (float64), with optional "linear" or "llama3" scaling.
-
-    `scaling` is an HF rope_scaling / rope_parameters dict; "default" (or None) means none.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
-    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
-    # low_freq_wavelen and high_freq_wavelen is interpolated smoothly between the two.
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(is_mid, smoothed, scaled)
-
-
 def rope_interleave_perm(head_dim: int) -> torch.Tensor:
     """Row order that turns HF's "rotate half" pairs (j, j + D/2) into adjacent pairs (2j, 2j+1).
 
@@ -380,41 +349,3 @@ def rope_interleave_perm(head_dim: int) -> torch.Tensor:
     """
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE on interleaved pairs (see `rope_interleave_perm`) as a complex multiply.
-
-    The table holds cis(p * f) = cos + i sin for positions 0..P-1 as complex64; it grows on
-    demand (doubling), driven by the host-side max sequence length, never by reading tensors.
-    """
-
-    def __init__(
-        self, head_dim: int, theta: float, scaling: dict | None, dtype: torch.dtype, device="cpu"
-    ) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        # HF computes the angles in float32 (float32 inverse frequencies times positions).
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling).float().to(device)
-        self.table = torch.empty(0, head_dim // 2, dtype=torch.complex64, device=device)
-
-    def _build(self, num_positions: int) -> None:
-        pos = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
-        angles = torch.outer(pos, self.inv_freq)
-        self.table = torch.polar(torch.ones_like(angles), angles)
-
-    def lookup(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """cis rows [T, 1, D/2] for `positions`; `max_position` bounds them (a host int)."""
-        if max_position >= self.table.shape[0]:
-            self._build(max(2 * self.table.shape[0], max_position + 1, 256))
-        return self.table.index_select(0, positions).unsqueeze(1)
-
-    @staticmethod
-    def apply_(x: torch.Tensor, cis: torch.Tensor) -> None:
-        """Rotate x [T, heads, D] (interleaved pairs) in place; x may be a view into qkv."""
-        pairs = x.view(*x.shape[:-1], -1, 2)
-        if x.dtype == torch.float32:
-            torch.view_as_complex(pairs).mul_(cis)
-        else:  # no bf16 complex type: rotate in float32 and write back
-            rotated = torch.view_as_complex(pairs.float()) * cis
-            pairs.copy_(torch.view_as_real(rotated))

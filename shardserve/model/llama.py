@@ -20,14 +20,13 @@ from torch import nn
 
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model.arch import ModelArch
-from shardserve.model.attention import AttentionMetadata, paged_attention
+from shardserve.model.attention import AttentionMetadata, RotaryEmbedding, paged_attention
 from shardserve.model.layers import (
     MatmulLayer,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
