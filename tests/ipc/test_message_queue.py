@@ -1,0 +1,329 @@
+"""MessageQueue behaviour with real processes (spawn): ordering, overflow, remote readers,
+timeouts with names, cancellation, dead peers, slot release on error, lost wake-ups, tensors,
+resources."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import ipc_children as kids
+import numpy as np
+import pytest
+import torch
+
+from shardserve.ipc import MessageQueue, PeerGone, QueueClosed, ShmSpaceError, shm_ring, wakeup
+from shardserve.ipc.shm_ring import check_shm_space
+
+
+def _local_pair(**kw: Any) -> tuple[MessageQueue, MessageQueue]:
+    w = MessageQueue(1, 1, max_chunk_bytes=kw.pop("chunk", 1 << 16),
+                     max_chunks=kw.pop("chunks", 2), **kw)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    w.wait_until_ready(timeout=10)
+    r.wait_until_ready(timeout=10)
+    return w, r
+
+
+@pytest.mark.timeout(150)
+def test_400mb_broadcast_tiny_ring_mixed_readers(spawn: Any) -> None:
+    """1 writer, 2 local + 1 remote reader, 2 x 40 KiB chunks: ~half the messages overflow."""
+    seed = 1234
+    writer = MessageQueue(3, 2, max_chunk_bytes=40 * 1024, max_chunks=2,
+                          connect_ip="127.0.0.1", name="stress")
+    pipes = [spawn.Pipe(duplex=False) for _ in range(3)]
+    procs = [spawn.Process(target=kids.broadcast_reader,
+                           args=(writer.export_handle(), r, seed, pipes[r][1])) for r in range(3)]
+    for p in procs:
+        p.start()
+    writer.wait_until_ready(timeout=60)
+    rng, sent, overflow = kids.random.Random(99), 0, 0
+    for i, arr in kids.arrays(seed):
+        writer.enqueue((i, arr), timeout=60)
+        sent += arr.nbytes
+        overflow += arr.nbytes > 40 * 1024 - 256
+        kids.jitter(rng)
+    results = [conn.recv() if conn.poll(120) else "no result" for conn, _ in pipes]
+    writer.close()
+    assert 350e6 < sent < 450e6 and 2000 < overflow < 8000, (sent, overflow)
+    for rank, res in enumerate(results):
+        assert res == (kids.N_MESSAGES, sent, None), f"rank {rank}: {res}"
+
+
+def test_timeouts_name_the_peer() -> None:
+    w, r = _local_pair()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="writer .* has written nothing"):
+        r.dequeue(timeout=0.1)
+    assert 0.09 < time.monotonic() - t0 < 0.6
+    w.enqueue(1)
+    w.enqueue(2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"reader rank 0 \(pid {os.getpid()}\) has not "
+                                           r"released chunk 0 \(message 1\)"):
+        w.enqueue(3, timeout=0.2)
+    assert 0.19 < time.monotonic() - t0 < 0.8
+    assert r.dequeue(timeout=0) == 1  # a ready message needs no waiting, even with timeout 0
+    w.enqueue(3, timeout=0)
+    assert [r.dequeue(0), r.dequeue(0)] == [2, 3]
+    w.close()
+    r.close()
+
+
+@pytest.mark.parametrize("side", ["local reader", "remote reader", "writer"])
+def test_close_from_another_thread_unblocks_within_1s(side: str) -> None:
+    n_local = 0 if side == "remote reader" else 1
+    w = MessageQueue(1, n_local, max_chunk_bytes=4096, max_chunks=1, connect_ip="127.0.0.1")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    w.wait_until_ready(timeout=10)
+    r.wait_until_ready(timeout=10)
+    if side == "writer":
+        w.enqueue("fills the only chunk")
+    blocked = w if side == "writer" else r
+    call = (lambda: w.enqueue("x")) if side == "writer" else r.dequeue
+    timer = threading.Timer(0.3, blocked.close)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(QueueClosed):
+        call()
+    assert time.monotonic() - t0 < 0.3 + 1.0
+    timer.join()
+    w.close()
+    r.close()
+
+
+def test_writer_close_reaches_reader_process_within_1s(spawn: Any) -> None:
+    w = MessageQueue(2, 1, max_chunk_bytes=4096, max_chunks=2, connect_ip="127.0.0.1")
+    conns = [spawn.Pipe(duplex=False) for _ in range(2)]
+    for rank in range(2):
+        spawn.Process(target=kids.echo_reader,
+                      args=(w.export_handle(), rank, conns[rank][1])).start()
+    w.wait_until_ready(timeout=60)
+    w.enqueue("hello")
+    for conn, _ in conns:
+        assert conn.recv() == ("got", "hello")
+    time.sleep(0.2)  # both readers are blocked again
+    t_close = time.monotonic()
+    w.close()
+    for conn, _ in conns:
+        kind, t_seen, _ = conn.recv()
+        assert kind == "closed" and t_seen - t_close < 1.0
+
+
+def test_killed_writer_unblocks_reader(spawn: Any) -> None:
+    parent, child = spawn.Pipe()
+    p = spawn.Process(target=kids.writer_then_hang, args=(child,))
+    p.start()
+    assert parent.poll(60)
+    r = MessageQueue.create_from_handle(parent.recv(), 0)
+    r.wait_until_ready(timeout=30)
+    assert r.dequeue(timeout=10) == "first"
+    parent.recv()
+    threading.Timer(0.2, os.kill, (p.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerGone, match=rf"writer \(pid {p.pid}\) is gone"):
+        r.dequeue(timeout=30)
+    assert time.monotonic() - t0 < 0.2 + 1.0
+    r.close()
+    p.join()
+
+
+def test_sigkilled_reader_makes_enqueue_raise_timeout_naming_it(spawn: Any) -> None:
+    w = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2, name="victim")
+    conns = [spawn.Pipe(duplex=False) for _ in range(2)]
+    procs = [spawn.Process(target=kids.echo_reader, args=(w.export_handle(), r, conns[r][1]))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    w.wait_until_ready(timeout=60)
+    procs[1].kill()
+    procs[1].join()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"reader rank 1 \(pid {procs[1].pid}\) is gone"):
+        for i in range(10):  # the ring has 2 chunks: the third message needs rank 1's release
+            w.enqueue(i, timeout=30)
+    assert time.monotonic() - t0 < 1.5
+    w.close()
+
+
+class _Poison:
+    """Unpickles into an exception: the reader's code raises while the message is read."""
+
+    def __reduce__(self) -> Any:
+        return (_explode, ())
+
+
+def _explode() -> None:
+    raise ValueError("cannot decode this message")
+
+
+def test_reader_that_raises_releases_its_slot() -> None:
+    w, r = _local_pair(chunks=1)
+    w.enqueue(_Poison())
+    with pytest.raises(ValueError, match="cannot decode"):
+        r.dequeue(timeout=1)
+    t0 = time.monotonic()
+    w.enqueue("next", timeout=0.1)  # the single chunk was released despite the error
+    assert time.monotonic() - t0 < 0.1
+    assert r.dequeue(timeout=1) == "next"
+    w.close()
+    r.close()
+
+
+def test_suppressed_notifications_still_deliver_within_recheck(spawn: Any,
+                                                               monkeypatch: Any) -> None:
+    monkeypatch.setenv("SHARDSERVE_IPC_DROP_NOTIFY", "1")  # the test switch: no futex wakes
+    w = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4, recheck_ms=50, spin_us=0)
+    parent, child = spawn.Pipe(duplex=False)
+    spawn.Process(target=kids.latency_reader, args=(w.export_handle(), 20, child)).start()
+    w.wait_until_ready(timeout=60)
+    rng = kids.random.Random(5)
+    for _ in range(20):
+        time.sleep(rng.uniform(0.01, 0.08))  # the reader is asleep when each message lands
+        w.enqueue(time.time())
+    assert parent.poll(60)
+    delays = sorted(parent.recv())
+    w.close()
+    assert delays[-1] < 0.05 + 0.15, delays  # recheck interval + scheduling slack
+    assert delays[len(delays) // 2] > 0.002, delays  # without wake-ups, delivery waits
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+          torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) \
+        if a.numel() else True
+
+
+def test_tensors_of_every_dtype_roundtrip_writable_and_unaliased() -> None:
+    w, r = _local_pair(chunk=4 << 20, chunks=2)
+    g = torch.Generator().manual_seed(0)
+    cases = {str(dt): (torch.randn(5, 7, generator=g) * 50).to(dt) for dt in DTYPES}
+    cases |= {
+        "empty": torch.empty(0, 3, dtype=torch.bfloat16),
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "noncontig": torch.arange(60.0).reshape(6, 10).t()[::2],
+        "big_oob": torch.randn(1 << 19, generator=g),  # 2 MiB: out-of-band through the ring
+        "overflow": torch.randn(3 << 20, generator=g).to(torch.bfloat16),  # 6 MiB > chunk
+        "numpy_big": np.arange(1 << 18, dtype=np.float64),
+        "nested": [{"t": torch.ones(2, dtype=torch.int8)}, (np.float32(1.5), "s")],
+    }
+    snapshot = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in cases.items()}
+    w.enqueue(cases)
+    got = r.dequeue(timeout=10)
+    for _ in range(8):  # cycle the ring 4 times: nothing received may alias the ring
+        w.enqueue(torch.full((1 << 19,), 7.0))
+        r.dequeue(timeout=10)
+    for k, v in snapshot.items():
+        if isinstance(v, torch.Tensor):
+            assert _same(got[k], v), k
+            got[k].add_(1) if got[k].dtype.is_floating_point and got[k].dtype.itemsize > 1 \
+                else got[k].zero_()  # writable
+    assert np.array_equal(got["numpy_big"], snapshot["numpy_big"])
+    got["numpy_big"][0] = 1.0  # writable
+    assert got["nested"][0]["t"].tolist() == [1, 1] and got["nested"][1][1] == "s"
+    w.close()
+    r.close()
+
+
+def test_warnings_name_who_is_waiting_and_never_blame_shm_size(caplog: Any) -> None:
+    w, r = _local_pair(chunks=1)
+    w.warn_interval_s = r.warn_interval_s = 0.05
+    with caplog.at_level(logging.WARNING, logger="shardserve.ipc"):
+        with pytest.raises(TimeoutError):
+            r.dequeue(timeout=0.2)
+        w.enqueue("x")
+        with pytest.raises(TimeoutError):
+            w.enqueue("y", timeout=0.2)
+    text = "\n".join(rec.getMessage() for rec in caplog.records)
+    assert "has written nothing" in text
+    assert f"reader rank 0 (pid {os.getpid()}) has not released chunk 0" in text
+    assert "shared memory" not in text.lower() and "shm" not in text.lower()
+    w.close()
+    r.close()
+
+
+def test_shm_space_preflight(monkeypatch: Any) -> None:
+    with pytest.raises(ShmSpaceError, match=r"needs 240\.0 MiB.*--shm-size"):
+        monkeypatch.setattr(os, "statvfs", lambda _: os.statvfs_result((4096,) * 2 + (8192,) * 8))
+        check_shm_space(240 << 20)
+    monkeypatch.undo()
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    with pytest.raises(ShmSpaceError, match="Insufficient space in /dev/shm"):
+        MessageQueue(1, 1, max_chunk_bytes=free // 2 + (1 << 20), max_chunks=2)
+    check_shm_space(1 << 40, "/no/such/dir")  # no directory: skipped
+
+
+def test_segments_removed_on_gc_and_at_exit_without_tracker_warnings(spawn: Any) -> None:
+    w = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    path = f"/dev/shm/{w.export_handle().shm_name}"
+    assert os.path.exists(path) and "shardserve" in path
+    del w
+    gc.collect()
+    assert not os.path.exists(path)
+    script = (
+        "import multiprocessing as mp\n"
+        "from shardserve.ipc import MessageQueue\n"
+        "import ipc_children as kids\n"
+        "if __name__ == '__main__':\n"
+        "    W = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)\n"
+        "    a, b = mp.get_context('spawn').Pipe()\n"
+        "    p = mp.get_context('spawn').Process(target=kids.echo_reader,\n"
+        "                                        args=(W.export_handle(), 0, b))\n"
+        "    p.start(); W.wait_until_ready(30); W.enqueue('hi'); print(a.recv()[1])\n"
+        "    W2 = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)\n"
+        "    print(W2.export_handle().shm_name)\n"
+        "    W.close(); p.join(10)\n"  # W2 is never closed: the exit handler must unlink it
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=90, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == "hi" and not os.path.exists(f"/dev/shm/{lines[1]}")
+    assert "resource_tracker" not in out.stderr and "leaked" not in out.stderr, out.stderr
+
+
+def test_remote_ports_are_bound_by_the_os_and_distinct() -> None:
+    writers: list[MessageQueue] = []
+    lock = threading.Lock()
+
+    def make() -> None:
+        mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+        with lock:
+            writers.append(mq)
+
+    threads = [threading.Thread(target=make) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    addrs = {w.export_handle().remote_addr for w in writers}
+    assert len(addrs) == 16 and all(a.startswith("tcp://127.0.0.1:") for a in addrs)
+    r = MessageQueue.create_from_handle(writers[0].export_handle(), 0)
+    writers[0].wait_until_ready(timeout=10)
+    writers[0].enqueue("ping")
+    assert r.dequeue(timeout=10) == "ping"
+    r.close()
+    for w in writers:
+        w.close()
+
+
+def test_spinning_only_when_cores_outnumber_spinners(monkeypatch: Any) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    assert wakeup.default_spin_s(3, None) == 0.0  # writer + 2 readers on 2 cores: block
+    assert wakeup.default_spin_s(1, None) > 0.0
+    assert wakeup.default_spin_s(3, 20.0) == pytest.approx(20e-6)  # explicit override wins
+    assert shm_ring.NAME_PREFIX.startswith("shardserve")
