@@ -25,11 +25,11 @@ from shardserve.ipc import serialization as ser
 from shardserve.ipc import wakeup
 from shardserve.ipc.errors import PeerGone, QueueClosed
 from shardserve.ipc.shm_ring import RingLayout, ShmRing
+from shardserve.ipc.waiting import BoundedWait
 from shardserve.ipc.zmq_channel import KIND_CLOSE, KIND_MSG, KIND_READY, Publisher, Subscriber
 
 logger = logging.getLogger(__name__)
 
-_LIVENESS_S = 0.25  # how often a blocked side checks that its peer process still exists
 _CLOSE_WAIT_S = 2.0  # how long close() waits for an operation in another thread to unwind
 _OVERFLOW = object()
 
@@ -49,38 +49,6 @@ class Handle:
     name: str
     recheck_s: float
     warn_interval_s: float
-
-
-class _Wait:
-    """Book-keeping of one blocked wait: deadline, periodic warnings and liveness checks."""
-
-    __slots__ = ("mq", "start", "deadline", "next_warn", "next_live", "describe", "liveness")
-
-    def __init__(self, mq: MessageQueue, deadline: float | None,
-                 describe: Callable[[], str], liveness: Callable[[], None]) -> None:
-        self.mq, self.deadline, self.describe, self.liveness = mq, deadline, describe, liveness
-        self.start = time.monotonic()
-        self.next_warn = self.start + mq.warn_interval_s
-        self.next_live = self.start + _LIVENESS_S
-
-    def tick(self) -> float:
-        """Raise if the wait must end; else return how long to sleep before rechecking."""
-        self.mq._raise_if_closing()
-        now = time.monotonic()
-        if now >= self.next_live:
-            self.next_live = now + _LIVENESS_S
-            self.liveness()
-        if self.deadline is not None and now >= self.deadline:
-            raise TimeoutError(f"{self.mq._who()}: timed out after {now - self.start:.2f} s: "
-                               f"{self.describe()}")
-        if now >= self.next_warn:
-            self.next_warn = now + self.mq.warn_interval_s
-            logger.warning("%s: still waiting after %.0f s: %s", self.mq._who(),
-                           now - self.start, self.describe())
-        nearest = min(self.next_warn, self.next_live)
-        if self.deadline is not None:
-            nearest = min(nearest, self.deadline)
-        return max(0.0, min(self.mq.recheck_s, nearest - now))
 
 
 class MessageQueue:
@@ -219,7 +187,7 @@ class MessageQueue:
             names = ", ".join(self._reader_desc(r) for r in self._missing_readers())
             return f"readers not connected yet: {names}"
 
-        wait = _Wait(self, deadline, describe, lambda: None)
+        wait = BoundedWait(self, deadline, describe, lambda: None)
         while self._missing_readers():
             pubs = [p for p in (self._local_pub, self._remote_pub) if p is not None]
             slice_s = wait.tick() / len(pubs)
@@ -260,7 +228,7 @@ class MessageQueue:
             self._next = n + 1
 
     def _send_tick(self, deadline: float | None) -> Callable[[], float]:
-        wait = _Wait(self, deadline, lambda: "a remote reader is 1000 messages behind",
+        wait = BoundedWait(self, deadline, lambda: "a remote reader is 1000 messages behind",
                      lambda: None)
         return wait.tick
 
@@ -269,7 +237,7 @@ class MessageQueue:
         prev = (n - self.max_chunks) & 0xFFFF_FFFF
         if ring.blocker(n) < 0:
             return
-        wait = _Wait(self, deadline, lambda: self._describe_blocker(n),
+        wait = BoundedWait(self, deadline, lambda: self._describe_blocker(n),
                      lambda: self._check_blocker_alive(n))
         words, chunk = ring.words, ring.chunk_of(n)
         spin_end = time.perf_counter() + self._spin_s
@@ -340,7 +308,8 @@ class MessageQueue:
         while time.perf_counter() < spin_end:
             if words[idx] == want:
                 return
-        wait = _Wait(self, deadline, lambda: self._describe_writer(n), self._check_writer_alive)
+        wait = BoundedWait(self, deadline, lambda: self._describe_writer(n),
+                           self._check_writer_alive)
         while (seen := words[idx]) != want:
             if ring.writer_info()[2]:  # writer closed: deliver what it wrote, then stop
                 if words[idx] == want:
@@ -375,7 +344,7 @@ class MessageQueue:
         sub = self._sub
         frames = sub.try_recv()
         if frames is None:
-            wait = _Wait(self, deadline, lambda: f"nothing received while waiting for {what}",
+            wait = BoundedWait(self, deadline, lambda: f"nothing received while waiting for {what}",
                          self._check_writer_alive)
             while (frames := sub.try_recv()) is None:
                 sub.wait(wait.tick())
