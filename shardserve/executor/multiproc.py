@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -21,7 +22,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
+
+import psutil
 
 from shardserve import envs
 from shardserve.executor.abstract import EngineDeadError, Executor
@@ -202,7 +206,8 @@ class MultiprocExecutor(Executor):
             if deadline is not None and now >= deadline:
                 raise TimeoutError(
                     f"{call.method}() got no reply from worker ranks {missing} within "
-                    f"{now - start:.1f} s (parallel_config.execute_timeout_s bounds model steps)"
+                    f"{now - start:.1f} s{self._unusual_workers()} "
+                    f"(parallel_config.execute_timeout_s bounds model steps)"
                 )
             if now >= next_warning:
                 logger.warning(
@@ -238,10 +243,41 @@ class MultiprocExecutor(Executor):
         if reply.error is not None and reply.call_id not in self._failed_calls:
             # An error of this call, or of an earlier one that completed without it (a
             # non-output rank failing after the output rank answered): surface it now.
-            raise reply.error.to_exception(call.method)
+            error = reply.error.to_exception(call.method)
+            dead = self._dead_worker(wait_s=0.5)
+            if dead is not None:  # e.g. a collective broken by a peer's death: name the cause
+                raise EngineDeadError(self._death or dead) from error
+            raise error
         if reply.call_id == call.call_id:
             call.results[rank] = reply.value
         return True  # a stale success reply (of a timed-out call) is dropped
+
+    def _dead_worker(self, wait_s: float) -> str | None:
+        """A description of a worker that has exited (waiting up to wait_s for one), or None."""
+        sentinels = {h.process.sentinel: h for h in self.workers}
+        ready = wait(list(sentinels), timeout=wait_s)
+        if not ready:
+            return None
+        h = sentinels[ready[0]]
+        h.process.join(timeout=1)
+        return f"worker rank {h.rank} (pid {h.pid}) died unexpectedly ({h.describe_exit()})"
+
+    def _unusual_workers(self) -> str:
+        """Workers that are not running or waiting (stopped, zombie...), for timeout messages:
+        the rank that blocks a collective is often not the one whose reply is missing."""
+        notes = []
+        for h in self.workers:
+            try:
+                status = psutil.Process(h.pid).status()
+            except psutil.Error:
+                status = "gone"
+            if status not in (
+                psutil.STATUS_RUNNING,
+                psutil.STATUS_SLEEPING,
+                psutil.STATUS_DISK_SLEEP,
+            ):
+                notes.append(f"rank {h.rank} (pid {h.pid}) is {status}")
+        return f"; {', '.join(notes)}" if notes else ""
 
     # ---- shutdown ----
     def shutdown(self) -> None:
@@ -251,18 +287,30 @@ class MultiprocExecutor(Executor):
             self._shut_down = True
             if self.monitor is not None:
                 self.monitor.stop()
-            if self.workers:
+            grace_s = 0.0
+            if self.workers and self.monitor is not None:  # running: ask them to exit first
+                grace_s = _SHUTDOWN_GRACE_S
                 try:
                     self.broadcast.enqueue(RpcRequest(0, SHUTDOWN, (), {}), timeout=1.0)
-                except Exception:  # full ring of a stuck worker, or closed: the signals follow
-                    pass
-                stop_workers(self.workers, _SHUTDOWN_GRACE_S)
+                except Exception as e:  # a stuck worker's full ring, or closed: signals follow
+                    logger.warning("could not ask the workers to exit (%s); stopping them", e)
+            stop_workers(self.workers, grace_s)
             for mq in [*self.reply_queues, self.broadcast]:
                 mq.close()
+            for h in self.workers:  # a killed worker could not unlink its reply ring
+                if h.reply_handle is not None and h.reply_handle.shm_name:
+                    _unlink_shm(h.reply_handle.shm_name)
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             for call in self._pending:
                 if not call.future.done():
                     call.future.set_exception(EngineDeadError("the executor was shut down"))
+
+
+def _unlink_shm(name: str) -> None:
+    try:
+        os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
+    except FileNotFoundError:
+        pass
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

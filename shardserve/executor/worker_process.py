@@ -162,7 +162,9 @@ class WorkerMonitor:
 def stop_workers(handles: list[WorkerHandle], grace_s: float) -> None:
     """Staged stop of workers already asked to exit: wait, SIGTERM, wait, SIGKILL."""
     _wait_exit(handles, grace_s)
-    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+    # A worker blocked inside a C call (a collective, a futex) runs its SIGTERM handler only
+    # when the call returns, so SIGKILL follows soon.
+    for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
         alive = [h for h in handles if h.process.is_alive()]
         if not alive:
             break
@@ -183,7 +185,8 @@ def stop_workers(handles: list[WorkerHandle], grace_s: float) -> None:
 
 def _wait_exit(handles: list[WorkerHandle], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    alive = [h.process.sentinel for h in handles if h.process.is_alive()]
+    alive = {h.process.sentinel: h for h in handles if h.process.is_alive()}
     while alive and (remaining := deadline - time.monotonic()) > 0:
-        for s in wait(alive, timeout=remaining):
-            alive.remove(s)
+        for s in wait(list(alive), timeout=remaining):
+            # The sentinel closes a moment before the exit status can be collected: join.
+            alive.pop(s).process.join(timeout=1)

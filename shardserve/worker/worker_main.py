@@ -12,6 +12,7 @@ Start-up, in order (the executor's side is in executor/worker_process.py):
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import os
@@ -54,12 +55,15 @@ class WorkerProcArgs:
 def worker_main(args: WorkerProcArgs) -> None:
     """Process target. Exits 0 after a shutdown request, non-zero after a failure."""
     _setup_process(args)
-    _watch_death_pipe(args.death_conn)
+    # Segments nobody else can unlink if the engine dies by SIGKILL: its broadcast ring, ours.
+    orphans = [args.broadcast_handle.shm_name]
+    _watch_death_pipe(args.death_conn, orphans)
     worker = response_mq = broadcast = None
     try:
         try:
             worker = _build_worker(args)
             response_mq = MessageQueue(1, 1, name=f"{args.label}-reply")
+            orphans.append(response_mq.export_handle().shm_name)
         except BaseException as e:
             args.ready_conn.send(("FAILED", RemoteError.capture(args.rank, os.getpid(), e)))
             raise SystemExit(1) from e
@@ -79,6 +83,8 @@ def _setup_process(args: WorkerProcArgs) -> None:
     # (a staged shutdown), so workers ignore SIGINT. SIGTERM unwinds through `finally`.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: who is stuck where.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         import setproctitle
 
@@ -98,13 +104,19 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _watch_death_pipe(conn: Connection) -> None:
+def _watch_death_pipe(conn: Connection, orphans: list[str | None]) -> None:
     def watch() -> None:
         try:
             conn.recv()  # the engine never writes; this returns only by EOF
         except (EOFError, OSError):
             pass
         logger.error("the engine process is gone; exiting")
+        for name in orphans:
+            if name:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
+                except OSError:
+                    pass
         os._exit(1)
 
     threading.Thread(target=watch, name="death-pipe", daemon=True).start()
