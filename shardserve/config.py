@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,27 @@ class ParallelConfig:
     """Deadline for one execute_model / sample_tokens call to answer."""
     worker_cls: str = "shardserve.worker.worker.Worker"
     """Dotted path of the Worker class each rank runs (a subclass may add methods)."""
+    ray_address: str | None = None
+    """Ray cluster to join ('auto', 'host:port', 'ray://...') for the ray backends. None: the
+    Ray already initialised in this process, else RAY_ADDRESS, else a local Ray started (and
+    stopped at shutdown) by the executor."""
+    ray_placement_group: str | None = None
+    """Name of an existing Ray placement group to place the ranks in (one bundle per rank, in
+    order). None: the placement group this process runs in, else one created per engine."""
+    ray_placement_strategy: str = "PACK"
+    """Strategy of a placement group the executor creates: PACK, SPREAD, STRICT_PACK or
+    STRICT_SPREAD."""
+    ray_placement_timeout_s: float = 60.0
+    """Deadline for the placement group to be scheduled; the error lists the bundles asked
+    for and every node's free resources."""
+    ray_cpus_per_worker: float = 1.0
+    """Logical CPUs reserved per rank (each bundle and actor); also its torch thread count."""
+    ray_bundle_resources: dict[str, float] | None = None
+    """Extra Ray resources each rank's bundle asks for (e.g. a custom node label); a JSON
+    object string is accepted too."""
+    ray_use_compiled_graph: bool | None = None
+    """ray backend: run model steps through a Ray Compiled Graph instead of actor calls. None:
+    only where cores outnumber workers (compiled-graph readers poll, about a core each)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -181,8 +203,40 @@ class ParallelConfig:
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
                 f"pipeline_parallel_size = {self.world_size}; use 'mp' or 'ray'",
             )
-        for name in ("worker_start_timeout_s", "execute_timeout_s"):
+        for name in (
+            "worker_start_timeout_s",
+            "execute_timeout_s",
+            "ray_placement_timeout_s",
+            "ray_cpus_per_worker",
+        ):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)!r} must be > 0")
+        self._check_ray_fields()
+
+    def _check_ray_fields(self) -> None:
+        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        _check(
+            self.ray_placement_strategy in strategies,
+            f"ray_placement_strategy={self.ray_placement_strategy!r} must be one of "
+            f"{', '.join(strategies)}",
+        )
+        extra = self.ray_bundle_resources
+        if isinstance(extra, str):  # from the command line
+            try:
+                extra = json.loads(extra)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"ray_bundle_resources={extra!r} is not JSON: {e}") from e
+            object.__setattr__(self, "ray_bundle_resources", extra)
+        _check(
+            extra is None
+            or (
+                isinstance(extra, dict)
+                and all(
+                    isinstance(k, str) and isinstance(v, int | float) and v >= 0
+                    for k, v in extra.items()
+                )
+            ),
+            f"ray_bundle_resources={extra!r} must map resource names to numbers >= 0",
+        )
 
     @property
     def world_size(self) -> int:
