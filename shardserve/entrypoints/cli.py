@@ -33,6 +33,7 @@ from shardserve.config import (
 # name -> "module:Class". Adding a subcommand is one line here.
 SUBCOMMANDS: dict[str, str] = {
     "generate": "shardserve.entrypoints.cli_generate:GenerateCommand",
+    "serve": "shardserve.entrypoints.server.serve_cmd:ServeCommand",
 }
 
 EXIT_BAD_INPUT = 2

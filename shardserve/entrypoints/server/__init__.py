@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`shardserve serve`); see serve_cmd.py."""

@@ -1,0 +1,161 @@
+"""The FastAPI app: routes, API-key check, and every error in OpenAI's format.
+
+Error mapping: a pydantic validation error or bad JSON → 400 naming the field; ServerError →
+its status; EngineDeadError → 503. /health, /metrics and /version need no API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+from shardserve.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ServerError,
+    error_body,
+)
+from shardserve.entrypoints.server.serving import OpenAIServing
+from shardserve.executor.abstract import EngineDeadError
+
+
+def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
+              api_key: str | None = None) -> FastAPI:
+    serving = OpenAIServing(client, served_name, aliases)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            # Runs when uvicorn stops (SIGTERM / Ctrl-C): stop the engine and its workers.
+            await client.shutdown()
+
+    app = FastAPI(title="shardserve", lifespan=lifespan)
+    app.state.serving = serving
+    _add_error_handlers(app)
+    if api_key:
+        _add_api_key_check(app, api_key)
+    _add_routes(app, serving)
+    return app
+
+
+def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    client = serving.client
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HTTPRequest):
+        return await serving.respond(serving.completion_job(body), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
+        return await serving.respond(serving.chat_job(body), raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": serving.served_name, "object": "model", "created": int(time.time()),
+                "owned_by": "shardserve", "root": str(client.config.model_config.path),
+                "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.is_dead:
+            return JSONResponse(error_body(client.dead_error or "dead", "ServiceUnavailableError",
+                                           None, 503), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        try:
+            return {"version": version("shardserve")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+
+def _add_api_key_check(app: FastAPI, api_key: str) -> None:
+    # A plain ASGI middleware: Starlette's BaseHTTPMiddleware would sit between a streaming
+    # response and the client's disconnect message.
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               "AuthenticationError", None, 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServerError)
+    async def server_error(request: HTTPRequest, exc: ServerError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: HTTPRequest, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503),
+                            status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(exc.errors())
+        return JSONResponse(error_body(message, "BadRequestError", param, 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), _http_type(exc.status_code), None,
+                                       exc.status_code), status_code=exc.status_code)
+
+
+def _http_type(status: int) -> str:
+    return {404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "BadRequestError")
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable message for pydantic's errors, and the first offending field."""
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            parts.append(f"the request body is not valid JSON ({ctx})")
+            continue
+        # A union reports one error per member type; its path ends with the member's name.
+        field_name = ".".join(x for x in loc if not _is_type_tag(x)) or "body"
+        param = param or field_name
+        got = repr(err.get("input"))[:60]
+        parts.append(f"{field_name}: {err.get('msg', 'invalid')} (got {got})")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in {"str", "int", "float", "bool", "list[str]", "list[int]",
+                    "list[list[int]]", "list[ContentPart]", "function-after", "none"} \
+        or part.startswith(("list[", "dict[", "literal["))

@@ -1,0 +1,275 @@
+"""AsyncEngineClient: the API server's side of the engine-core process.
+
+Tokenization happens in `add_request`, detokenization in the outputs loop (an asyncio task that
+reads the output socket and feeds the OutputProcessor), so both overlap the engine's model steps.
+Each request gets an asyncio.Queue of cumulative RequestOutputs; `generate` yields from it.
+
+Failure: a "dead" message from the engine, or its process exiting (sentinel readable), marks the
+client dead; every queue receives the EngineDeadError, so every open request ends at once, and
+new requests are refused with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shardserve.config import EngineConfig
+from shardserve.engine.llm_engine import LLMEngine, _child_params
+from shardserve.engine.output_processor import OutputProcessor
+from shardserve.engine.request import Request
+from shardserve.entrypoints.server.engine_proc import (
+    EngineAddresses,
+    EngineOutputs,
+    EngineRequest,
+    SchedulerStats,
+    run_engine_core,
+)
+from shardserve.entrypoints.server.metrics import ServerMetrics
+from shardserve.executor.abstract import EngineDeadError
+from shardserve.model.loader import load_tokenizer
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_JOIN_S = 2.5  # engine process: time to stop its workers and exit before we kill it
+
+
+class InputProcessor:
+    """LLMEngine's prompt checks (the same messages), without an engine core behind them."""
+
+    process_prompt = LLMEngine.process_prompt
+    _check_prompt_ids = LLMEngine._check_prompt_ids
+    vocab_size = LLMEngine.vocab_size
+
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        self.inputs = InputProcessor(config, self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream=True)
+        self.metrics = ServerMetrics()
+        self.stats = SchedulerStats()
+        self.dead_error: str | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._closing = False
+        self._tmpdir = tempfile.mkdtemp(prefix="shardserve-server-")
+        self.addrs = EngineAddresses(f"ipc://{self._tmpdir}/in", f"ipc://{self._tmpdir}/out")
+        self._ctx: zmq.asyncio.Context | None = None
+        self._outputs_task: asyncio.Task | None = None
+        self._start_process(start_timeout_s)
+
+    # ---- engine process ----
+    def _start_process(self, timeout_s: float) -> None:
+        """Spawn the engine core and wait until it has loaded the model (or failed to)."""
+        mp = multiprocessing.get_context("spawn")
+        ready_r, ready_w = mp.Pipe(duplex=False)
+        self._death_r, self._death_w = mp.Pipe(duplex=False)
+        self.proc = mp.Process(
+            target=run_engine_core,
+            args=(self.config, self.addrs, ready_w, self._death_r),
+            name="shardserve-engine-core",
+            daemon=False,  # it starts worker processes of its own
+        )
+        self.proc.start()
+        ready_w.close()
+        self._death_r.close()  # only the child may hold the read end: EOF there = we are gone
+        try:
+            self._wait_ready(ready_r, timeout_s)
+        except BaseException:
+            self._stop_process()
+            raise
+        finally:
+            ready_r.close()
+
+    def _wait_ready(self, ready: Any, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready.poll(0.1):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up "
+                                   f"(exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not start within {timeout_s:.0f} s")
+        try:
+            status, detail = ready.recv()
+        except EOFError as e:
+            raise RuntimeError("the engine process exited during start-up") from e
+        if status != "ready":
+            raise ValueError(f"the engine failed to start: {detail}")
+        logger.info("engine core ready (pid %d, %s KV blocks)", self.proc.pid, detail)
+
+    def _stop_process(self) -> None:
+        """Wait for the engine to exit (it stops its workers), then SIGTERM, then SIGKILL."""
+        self._death_w.close()  # EOF on the death pipe: exit even if no "shutdown" arrived
+        self.proc.join(_JOIN_S)
+        for stop in (self.proc.terminate, self.proc.kill):
+            if not self.proc.is_alive():
+                break
+            stop()
+            self.proc.join(1.0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ---- lifecycle (inside the event loop) ----
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.bind(self.addrs.input_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(self.addrs.output_addr)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.proc.sentinel, self._on_process_exit)
+        self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
+
+    async def shutdown(self) -> None:
+        """Idempotent: stop the engine process and free everything we created."""
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        if self._ctx is not None and self.proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._in.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
+        await asyncio.to_thread(self._stop_process)
+        if self._outputs_task is not None:
+            self._outputs_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._outputs_task
+        self._fail_all("the server is shutting down")
+        if self._ctx is not None:
+            self._in.close(linger=0)
+            self._out.close(linger=0)
+            self._ctx.term()
+
+    def shutdown_sync(self) -> None:
+        """For paths where the event loop never ran (start-up failed or was interrupted)."""
+        if not self._closing:
+            self._closing = True
+            self._stop_process()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    # ---- requests ----
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
+
+    async def generate(
+        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative RequestOutputs until finished. Leaving early (a disconnect, cancellation)
+        aborts the request so its KV blocks are freed."""
+        self.check_alive()
+        queue = await self._add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()  # coalesce: outputs are cumulative
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def _add_request(
+        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
+    ) -> asyncio.Queue:
+        text, ids = prompt
+        children = {
+            (request_id if params.n == 1 else f"{request_id}#{i}"): _child_params(params, i)
+            for i in range(params.n)
+        }
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.processor.add_request(request_id, text, ids, children)
+        self.metrics.on_request_added(list(children), len(ids))
+        eos = self.config.model_config.arch.eos_token_ids
+        for child_id, child_params in children.items():
+            req = Request(child_id, ids, child_params, eos_token_ids=eos)
+            await self._send(EngineRequest("add", request=req))
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.processor.child_ids(request_id)
+        self.processor.abort(request_id)
+        self.metrics.on_finished(child_ids, "abort")
+        if child_ids and not self._closing and self.dead_error is None:
+            await self._send(EngineRequest("abort", request_ids=child_ids))
+
+    async def _send(self, msg: EngineRequest) -> None:
+        await self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    # ---- outputs ----
+    async def _outputs_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._out.recv(copy=False)
+                msg: EngineOutputs = pickle.loads(frame.buffer)
+                self._handle(msg)
+                if msg.dead_error is not None:
+                    self._mark_dead(f"the engine died: {msg.dead_error}")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave requests hanging
+            logger.exception("engine outputs loop failed")
+            self._mark_dead(f"the engine outputs loop failed: {e}")
+
+    def _handle(self, msg: EngineOutputs) -> None:
+        self.stats = msg.stats
+        self.metrics.on_stats(msg.stats)
+        if not msg.outputs:
+            return
+        now = time.monotonic()
+        self.metrics.on_outputs(msg.outputs, now)
+        results, to_abort = self.processor.process(msg.outputs)
+        if to_abort:  # stop strings, found during detokenization
+            self.metrics.on_finished(to_abort, "stop")
+            asyncio.get_running_loop().create_task(
+                self._send(EngineRequest("abort", request_ids=to_abort)))
+        for out in results:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        if not self._closing:
+            self._mark_dead(f"the engine process exited unexpectedly (exit code "
+                            f"{self.proc.exitcode})")
+
+    def _mark_dead(self, error: str) -> None:
+        if self.dead_error is None and not self._closing:
+            logger.error("%s; /health now reports 503", error)
+            self.dead_error = error
+        self._fail_all(error)
+
+    def _fail_all(self, error: str) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(error))

@@ -1,0 +1,196 @@
+"""The engine-core process: EngineCore in a busy loop, fed and drained over ZMQ.
+
+    API server ──PUSH (EngineRequest)──▶ input socket ──▶ busy loop: drain, step()
+    API server ◀──PULL (EngineOutputs)── output socket ◀───┘
+
+The API server binds both ipc:// sockets (in its private temp dir) and this process connects.
+Messages are pickled small dataclasses. Every message out carries the scheduler's stats, so the
+server's /metrics never needs a round trip.
+
+Liveness, both ways: the server watches this process's sentinel; this process polls the read end
+of a "death pipe" whose write end only the server holds, so EOF there means the server is gone
+and we shut down (stopping our executor's workers) instead of lingering.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from shardserve.config import EngineConfig
+from shardserve.engine.messages import EngineCoreOutput
+from shardserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Longest the idle loop blocks before re-checking the executor and the death pipe.
+_IDLE_POLL_MS = 200
+
+
+@dataclass
+class EngineRequest:
+    """One message to the engine: "add" (request), "abort" (request_ids) or "shutdown"."""
+
+    kind: str
+    request: Request | None = None
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineOutputs:
+    """One step's outputs (maybe none: a stats-only update), or the news that the engine died."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float = field(default_factory=time.monotonic)
+    dead_error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    input_addr: str
+    output_addr: str
+
+
+def run_engine_core(
+    config: EngineConfig, addrs: EngineAddresses, ready: Connection, death: Connection
+) -> None:
+    """Process entry point (spawn). Reports "ready" (or the start-up error) on `ready`."""
+    # Ctrl-C reaches the whole process group: the API server coordinates shutdown, so we ignore
+    # SIGINT; SIGTERM (sent to us alone) exits through the finally blocks below.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    logging.basicConfig(level=os.environ.get("SHARDSERVE_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    _set_title("shardserve::engine_core")
+    from shardserve.engine.core import EngineCore
+
+    try:
+        core = EngineCore(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which exits with it
+        ready.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        ready.send(("ready", core.kv_cache_config.num_blocks))
+        EngineCoreLoop(core, addrs, death).run()
+    finally:
+        core.shutdown()
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _set_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+
+
+class EngineCoreLoop:
+    def __init__(self, core: Any, addrs: EngineAddresses, death: Connection) -> None:
+        self.core = core
+        self.death = death
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(addrs.input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(addrs.output_addr)
+        # The executor's monitor thread reports a worker's death through this pipe, so an idle
+        # loop wakes at once instead of at its next poll (sockets are not thread-safe; pipes are).
+        self._wake_r, self._wake_w = os.pipe()
+        core.executor.register_failure_callback(self._on_executor_failure)
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+        self.poller.register(self.death.fileno(), zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+
+    def _on_executor_failure(self) -> None:
+        os.write(self._wake_w, b"x")
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.input.close(linger=0)
+            self.output.close(linger=1000)  # let a final "dead" message reach the server
+            self.ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _loop(self) -> None:
+        while True:
+            busy = self.core.has_unfinished_requests()
+            events = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
+            if self.death.fileno() in events:
+                logger.info("the API server is gone; shutting down")
+                return
+            if self.core.executor.is_failed:
+                self._report_dead("the executor failed (a worker died)")
+                return
+            changed, stop = self._drain_input()
+            if stop:
+                return
+            if self.core.has_unfinished_requests():
+                if not self._step():
+                    return
+            elif changed:
+                self._send(EngineOutputs([], self._stats()))  # e.g. aborts freed KV blocks
+
+    def _drain_input(self) -> tuple[bool, bool]:
+        """Apply every queued message. Returns (anything applied, shutdown requested)."""
+        changed = False
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return changed, False
+            msg: EngineRequest = pickle.loads(frame.buffer)
+            changed = True
+            if msg.kind == "add":
+                self.core.add_request(msg.request)
+            elif msg.kind == "abort":
+                self.core.abort_requests(msg.request_ids)
+            elif msg.kind == "shutdown":
+                return changed, True
+
+    def _step(self) -> bool:
+        """Run one step and send its outputs; False once the engine is dead (reported)."""
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            logger.exception("engine step failed; the engine is dead")
+            self._report_dead(f"{type(e).__name__}: {e}")
+            return False
+        self._send(EngineOutputs(outputs, self._stats()))
+        return True
+
+    def _stats(self) -> SchedulerStats:
+        sched = self.core.scheduler
+        return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
+                              sched.total_preemptions)
+
+    def _report_dead(self, error: str) -> None:
+        self._send(EngineOutputs([], self._stats(), dead_error=error))
+
+    def _send(self, msg: EngineOutputs) -> None:
+        self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the API server, in a private registry (one server per process).
+
+Timing is measured in the API server when outputs arrive from the engine (not when a client
+reads them), per engine request (a request with n > 1 has n): time to first token from arrival,
+inter-token latency between successive outputs, and request latency until the finish.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shardserve.engine.messages import EngineCoreOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0)
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last: float | None = None  # when the last output arrived
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("shardserve:num_requests_running",
+                             "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("shardserve:num_requests_waiting",
+                             "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("shardserve:kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (0 to 1).", registry=r)
+        self.preemptions = Gauge("shardserve:num_preemptions",
+                                 "Preemptions since start.", registry=r)
+        self.prompt_tokens = Counter("shardserve:prompt_tokens",
+                                     "Prompt tokens of requests received.", registry=r)
+        self.generation_tokens = Counter("shardserve:generation_tokens",
+                                         "Tokens generated.", registry=r)
+        self.finished = Counter("shardserve:request_success", "Finished engine requests.",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("shardserve:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("shardserve:inter_token_latency_seconds",
+                             "Time between successive generated tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("shardserve:e2e_request_latency_seconds",
+                             "Time from arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._timings: dict[str, _Timing] = {}
+
+    def on_stats(self, stats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.set(stats.num_preemptions)
+
+    def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None:
+        now = time.monotonic()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        for rid in engine_ids:
+            self._timings[rid] = _Timing(now)
+
+    def on_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        for out in outputs:
+            timing = self._timings.get(out.request_id)
+            if timing is None:
+                continue
+            n = len(out.new_token_ids)
+            self.generation_tokens.inc(n)
+            if timing.last is None:
+                self.ttft.observe(now - timing.arrival)
+            elif n:
+                self.itl.observe((now - timing.last) / n)
+            timing.last = now
+            if out.finished:
+                self._finish(out.request_id, out.finish_reason or "stop", now)
+
+    def on_finished(self, engine_ids: list[str], reason: str) -> None:
+        """Requests that ended outside the engine's outputs: aborts, stop strings."""
+        now = time.monotonic()
+        for rid in engine_ids:
+            self._finish(rid, reason, now)
+
+    def _finish(self, rid: str, reason: str, now: float) -> None:
+        timing = self._timings.pop(rid, None)
+        if timing is None:
+            return
+        self.finished.labels(finished_reason=reason).inc()
+        self.e2e.observe(now - timing.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""OpenAI request models (pydantic) and their mapping to SamplingParams.
+
+Types are strict (a string is not an int), so a wrong type is a 400 naming the field; ranges are
+left to SamplingParams, whose ValueErrors name the field and the valid range. Unknown fields are
+ignored, as OpenAI-compatible servers commonly do. Besides OpenAI's fields, vLLM's sampling
+extensions (top_k, min_p, ignore_eos, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardserve.sampling_params import SamplingParams
+
+
+class ServerError(Exception):
+    """An error answered in OpenAI's format: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.param, self.status)
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, err_type: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise ServerError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ServerError(400, "stream_options is only allowed when stream is true",
+                              "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field and the valid range (from SamplingParams)."""
+        names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty",
+                 "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                 "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "include_stop_str_in_output")
+        kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ServerError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise ServerError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ServerError(400, f"best_of must equal n ({self.n}) when given, got "
+                              f"{self.best_of}", "best_of")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ServerError(400, "prompt must not be an empty list", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a str, a list of str, token ids, or lists of them."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServerError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,327 @@
+"""The /v1/completions and /v1/chat/completions handlers: requests in, OpenAI JSON or SSE out.
+
+The engine yields cumulative outputs (full text so far); streaming sends the difference. Text is
+held back while it ends in an incomplete UTF-8 character ("\\ufffd") or could be the start of a
+stop string, so the streamed pieces always add up to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+from shardserve.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ServerError,
+    error_body,
+)
+from shardserve.executor.abstract import EngineDeadError
+from shardserve.outputs import CompletionOutput, RequestOutput
+from shardserve.sampling_params import SamplingParams
+
+Prompt = tuple[str | None, list[int]]
+
+
+@dataclass
+class _Job:
+    """One request as the handlers see it: its prompts (one engine request each) and params."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+
+@dataclass
+class _Sent:
+    """What streaming has already sent of one choice."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str]) -> None:
+        self.client = client
+        self.served_name = served_name
+        self.aliases = aliases | {served_name}
+        self.max_model_len = client.config.model_config.max_model_len
+
+    # ---- building a job ----
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.aliases:
+            raise ServerError(404, f"The model `{name}` does not exist; this server serves "
+                              f"`{self.served_name}`", "model")
+
+    def _max_tokens(self, ids: list[int], requested: int | None, explicit: bool,
+                    default: int | None) -> int:
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ServerError(400, f"the prompt is {len(ids)} tokens, which leaves no room to "
+                              f"generate within max_model_len={self.max_model_len}", "prompt")
+        if explicit and requested is not None and requested > room:
+            raise ServerError(400, f"max_tokens={requested} is too large: the prompt is "
+                              f"{len(ids)} tokens and max_model_len={self.max_model_len}, so at "
+                              f"most {room} tokens can be generated", "max_tokens")
+        value = requested if explicit else default
+        return room if value is None else min(value, room)
+
+    def _params(self, req: Any, ids: list[int], requested: int | None, explicit: bool,
+                default: int | None, logprobs: int | None) -> SamplingParams:
+        max_tokens = self._max_tokens(ids, requested, explicit, default)
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            message = str(e)
+            raise ServerError(400, message, message.split(" ", 1)[0]) from e
+
+    def completion_job(self, req: CompletionRequest) -> _Job:
+        req.check_supported()
+        self.check_model(req.model)
+        self.client.check_alive()
+        prompts = [self._process(p, "prompt") for p in req.prompts()]
+        explicit = "max_tokens" in req.model_fields_set
+        params = [self._params(req, ids, req.max_tokens, explicit, 16, req.logprobs)
+                  for _, ids in prompts]
+        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name,
+                    prompts, params, req.stream, req.include_usage)
+
+    def chat_job(self, req: ChatCompletionRequest) -> _Job:
+        req.check_supported()
+        self.check_model(req.model)
+        self.client.check_alive()
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            ids = self.client.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                return_dict=False, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # a template may raise on an unexpected conversation
+            raise ServerError(400, f"cannot apply the chat template: {e}", "messages") from e
+        prompt = self._process({"prompt_token_ids": list(ids)}, "messages")
+        requested = req.requested_max_tokens
+        params = self._params(req, prompt[1], requested, requested is not None, None,
+                              req.num_logprobs)
+        return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
+                    [prompt], [params], req.stream, req.include_usage)
+
+    def _process(self, prompt: Any, param: str) -> Prompt:
+        try:
+            return self.client.inputs.process_prompt(prompt)
+        except ValueError as e:
+            raise ServerError(400, str(e), param) from e
+
+    # ---- running a job ----
+    async def respond(self, job: _Job, raw: HTTPRequest):
+        if job.stream:
+            return StreamingResponse(self._sse(job), media_type="text/event-stream")
+        work = asyncio.ensure_future(self._collect(job))
+        disconnect = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            await asyncio.wait([work, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not work.done():  # the client left (or we were cancelled): abort the requests
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if work.cancelled():
+            return JSONResponse(error_body("client disconnected", "ClientDisconnect", None, 499),
+                                status_code=499)
+        return JSONResponse(work.result())
+
+    def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
+        return [self.client.generate(f"{job.request_id}-{i}", prompt, params)
+                for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))]
+
+    async def _collect(self, job: _Job) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _merge(self._streams(job)):
+            finals[i] = out
+        choices = []
+        for i in range(len(job.prompts)):
+            for c in finals[i].outputs:
+                choices.append(self._choice(job, i * job.n + c.index, c, c.text, 0, None))
+        return {"id": job.request_id, "object": _OBJECT[job.kind], "created": job.created,
+                "model": job.model, "choices": choices, "usage": _usage(job, finals)}
+
+    async def _sse(self, job: _Job) -> AsyncIterator[str]:
+        sent: dict[int, _Sent] = {}
+        finals: dict[int, RequestOutput] = {}
+        hold = max((len(s) for s in job.params[0].stop), default=1) - 1
+        try:
+            async for i, out in _merge(self._streams(job)):
+                finals[i] = out
+                for c in out.outputs:
+                    index = i * job.n + c.index
+                    chunk = self._delta_choice(job, index, c, sent.setdefault(index, _Sent()),
+                                               hold)
+                    if chunk is not None:
+                        yield _event(self._chunk(job, [chunk]))
+            if job.include_usage:
+                yield _event(self._chunk(job, [], _usage(job, finals)))
+        except EngineDeadError as e:
+            yield _event(error_body(str(e), "ServiceUnavailableError", None, 503))
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, job: _Job, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": job.request_id, "object": _CHUNK_OBJECT[job.kind],
+                 "created": job.created, "model": job.model, "choices": choices}
+        if job.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def _delta_choice(self, job: _Job, index: int, c: CompletionOutput, sent: _Sent,
+                      hold: int) -> dict | None:
+        if sent.finished:
+            return None
+        end = len(c.text)
+        if c.finish_reason is None:
+            while end > sent.text_len and c.text[end - 1] == "\ufffd":
+                end -= 1
+            end = max(sent.text_len, end - hold)
+        delta = c.text[sent.text_len:end]
+        new_tokens = len(c.token_ids) - sent.num_tokens
+        if not delta and c.finish_reason is None and (sent.started or job.kind != "chat"):
+            return None
+        choice = self._choice(job, index, c, delta, sent.num_tokens, sent)
+        sent.text_len, sent.num_tokens = max(end, sent.text_len), sent.num_tokens + new_tokens
+        sent.started, sent.finished = True, c.finish_reason is not None
+        return choice
+
+    def _choice(self, job: _Job, index: int, c: CompletionOutput, text: str,
+                first_token: int, sent: _Sent | None) -> dict[str, Any]:
+        logprobs = None
+        if c.logprobs is not None:
+            entries = list(zip(c.token_ids[first_token:], c.logprobs[first_token:], strict=False))
+            if job.kind == "chat":
+                logprobs = {"content": _chat_logprobs(entries, job.params[0].logprobs or 0)}
+            else:
+                start = sent.text_offset if sent is not None else 0
+                logprobs, end = _completion_logprobs(entries, start)
+                if sent is not None:
+                    sent.text_offset = end
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if job.kind == "completion":
+            choice["text"] = text
+        elif not job.stream:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["delta"] = {"content": text} if sent.started else \
+                {"role": "assistant", "content": text}
+        return choice
+
+
+_OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
+_CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(job: _Job, finals: dict[int, RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+    completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _token_text(lp: Any, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else str(token_id)
+
+
+def _chat_logprobs(entries: list, top_n: int) -> list[dict[str, Any]]:
+    content = []
+    for token_id, position in entries:
+        sampled = position[token_id]
+        top = sorted(position.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        content.append({
+            "token": _token_text(sampled, token_id), "logprob": sampled.logprob,
+            "bytes": list(_token_text(sampled, token_id).encode()),
+            "top_logprobs": [{"token": _token_text(lp, tid), "logprob": lp.logprob,
+                              "bytes": list(_token_text(lp, tid).encode())} for tid, lp in top],
+        })
+    return content
+
+
+def _completion_logprobs(entries: list, offset: int) -> tuple[dict[str, Any], int]:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for token_id, position in entries:
+        token = _token_text(position[token_id], token_id)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(position[token_id].logprob)
+        out["top_logprobs"].append({_token_text(lp, tid): lp.logprob
+                                    for tid, lp in position.items()})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out, offset
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come. Leaving early closes every
+    stream, which aborts its engine request."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:
+            queue.put_nowait((i, e))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_disconnect(raw: HTTPRequest) -> None:
+    """Returns when the client disconnects (the body has been read: receive() waits for that)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
