@@ -117,3 +117,14 @@ def default_model_path() -> Path:
         return loader.default_model_path()
     except loader.ModelNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: Path):
+    """transformers' own float32 load of the default GGUF, the oracle (~13 s; once a session)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    ).eval()

@@ -59,15 +59,6 @@ def test_tiny_random_models_match_hf(fixture, request):
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def hf_default_model(default_model_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
-
-
 @pytest.mark.slow
 def test_default_model_matches_hf_generate(hf_default_model):
     llm = LLM(dtype="float32", max_model_len=512)

@@ -45,3 +45,9 @@ def test_collective_rpc_semantics(tiny_llama_dir):
         assert llm.collective_rpc("get_rank") == [0, 1]  # healthy after a remote error
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tp3_on_the_default_model_equals_uni(default_model_path):
+    tp3 = _generate(None, tensor_parallel_size=3, distributed_executor_backend="mp")
+    assert tp3 == _generate(None)

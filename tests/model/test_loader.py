@@ -62,12 +62,9 @@ MESSAGES_SYS = [
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(default_model_path: Path) -> dict[str, torch.Tensor]:
-    """transformers' own float32 load of the default GGUF (~13 s; once per module)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
-    return model.state_dict()
+def hf_gguf_model(hf_default_model) -> dict[str, torch.Tensor]:
+    """transformers' own float32 load of the default GGUF (shared by the session)."""
+    return hf_default_model.state_dict()
 
 
 @pytest.fixture(scope="module")

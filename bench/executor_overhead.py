@@ -1,0 +1,123 @@
+"""Per-step cost of each executor backend on decode, in one run.
+
+    python bench/executor_overhead.py [--steps 32] [--batches 1,32] [--dtype auto]
+
+Rows: uni, mp TP=1 (default model), and mp TP=2 on a random-weight model of the default model's
+size whose heads divide by 2 (8 heads of 72 instead of 9 of 64). Decode step latency is isolated
+as (time of 1 + N tokens - time of 1 token) / N; the mp overhead is reported against uni in
+microseconds and percent, and TP=2 as a ratio of TP=1 tokens/s. Also the bare round trip of
+collective_rpc (a no-op method on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from shardserve import LLM, SamplingParams
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def build_tp2_model(folder: Path) -> Path:
+    """A random-weight Llama with the default model's sizes, 8 heads (divisible by 2)."""
+    import torch
+    import transformers
+
+    from shardserve.model.loader import default_model_path, load_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=72, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    load_tokenizer(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+def step_latency(llm: LLM, batch: int, steps: int) -> float:
+    """Seconds per decode step at this batch size (median of 3)."""
+    prompts = [f"{PROMPT} ({i})" for i in range(batch)]
+
+    def run(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    samples = [(run(1 + steps) - run(1)) / steps for _ in range(3)]
+    return statistics.median(samples)
+
+
+def rpc_round_trip(llm: LLM, n: int = 300) -> float:
+    executor = llm.engine.core.executor
+    for _ in range(20):
+        executor.collective_rpc("get_rank")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        executor.collective_rpc("get_rank")
+    return (time.perf_counter() - t0) / n
+
+
+def measure(label: str, model: str | None, batches: list[int], steps: int, **kwargs) -> dict:
+    llm = LLM(model, max_model_len=1024, **kwargs)
+    try:
+        row = {"label": label, "rpc": rpc_round_trip(llm)}
+        for b in batches:
+            row[b] = step_latency(llm, b, steps)
+        return row
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(dtype=args.dtype, batches=batches, steps=args.steps)
+    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as tmp:
+        tp2_model = str(build_tp2_model(Path(tmp)))
+        rows = [
+            measure("uni", None, distributed_executor_backend="uni", **common),
+            measure("mp TP=1", None, distributed_executor_backend="mp", **common),
+            measure("uni (8-head model)", tp2_model, distributed_executor_backend="uni", **common),
+            measure("mp TP=1 (8-head)", tp2_model, distributed_executor_backend="mp", **common),
+            measure("mp TP=2 (8-head)", tp2_model, distributed_executor_backend="mp",
+                    tensor_parallel_size=2, **common),
+        ]  # fmt: skip
+    report(rows, batches)
+
+
+def report(rows: list[dict], batches: list[int]) -> None:
+    base = {r["label"]: r for r in rows}
+    print("\ndecode step latency, dtype per --dtype; overhead vs the uni row of the same model")
+    head = f"{'backend':<22}{'rpc us':>9}"
+    for b in batches:
+        head += f"{f'b={b} ms/step':>15}{'tok/s':>9}{'vs uni':>16}"
+    print(head)
+    for r in rows:
+        ref = base["uni (8-head model)" if "8-head" in r["label"] else "uni"]
+        line = f"{r['label']:<22}{r['rpc'] * 1e6:>9.0f}"
+        for b in batches:
+            over = (r[b] - ref[b]) * 1e6
+            line += (
+                f"{r[b] * 1e3:>15.2f}{b / r[b]:>9.1f}{over:>+9.0f}us{over / (ref[b] * 1e4):>+6.1f}%"
+            )
+        print(line)
+    tp1, tp2 = base["mp TP=1 (8-head)"], base["mp TP=2 (8-head)"]
+    for b in batches:
+        print(f"TP=2 / TP=1 tokens/s at b={b}: {tp1[b] / tp2[b]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
