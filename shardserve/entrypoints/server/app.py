@@ -138,24 +138,37 @@ def _http_type(status: int) -> str:
     return {404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "BadRequestError")
 
 
+# Union-typed fields: pydantic reports one error per member type; one line reads better.
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of such lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable message for pydantic's errors, and the first offending field."""
     parts, param = [], None
-    for err in errors[:5]:
+    for err in errors[:8]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx", {}).get("error", "")
             parts.append(f"the request body is not valid JSON ({ctx})")
             continue
-        # A union reports one error per member type; its path ends with the member's name.
+        tags = [x for x in loc if _is_type_tag(x)]
         field_name = ".".join(x for x in loc if not _is_type_tag(x)) or "body"
         param = param or field_name
         got = repr(err.get("input"))[:60]
-        parts.append(f"{field_name}: {err.get('msg', 'invalid')} (got {got})")
+        hint = _UNION_HINTS.get(loc[tags and loc.index(tags[0]) - 1 or 0] if loc else "")
+        if tags and hint:
+            head = ".".join(loc[: loc.index(tags[0])])
+            if not any(p.startswith(f"{head} must be") for p in parts):  # first has the input
+                parts.append(f"{head} must be {hint} (got {got})")
+        else:
+            parts.append(f"{field_name}: {err.get('msg', 'invalid')} (got {got})")
     return "; ".join(dict.fromkeys(parts)) or "invalid request", param
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in {"str", "int", "float", "bool", "list[str]", "list[int]",
-                    "list[list[int]]", "list[ContentPart]", "function-after", "none"} \
+    return part in {"str", "int", "float", "bool", "function-after", "none"} \
         or part.startswith(("list[", "dict[", "literal["))

@@ -1,0 +1,217 @@
+"""The OpenAI API of `shardserve serve` through the official client, against offline LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import API_KEY
+
+from shardserve import SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Hello, world! How are",
+    "The engine schedules requests",
+]
+
+
+def offline(llm, prompts, **kw):
+    params = SamplingParams(temperature=0, **kw)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def model_name(server) -> str:
+    return httpx.get(f"{server.url}/v1/models", headers=server.headers).json()["data"][0]["id"]
+
+
+def test_completions_greedy_equal_offline(client, tiny_server, tiny_offline):
+    expected = offline(tiny_offline, PROMPTS, max_tokens=24)
+    name = model_name(tiny_server)
+    for prompt, ref in zip(PROMPTS, expected, strict=True):
+        resp = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0)
+        choice = resp.choices[0]
+        assert choice.text == ref.outputs[0].text
+        assert choice.finish_reason == ref.outputs[0].finish_reason
+        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # A list of prompts: one choice each, in order.
+    resp = client.completions.create(model=name, prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in resp.choices] == [r.outputs[0].text for r in expected]
+    # Token ids as the prompt.
+    ids = expected[0].prompt_token_ids
+    resp = client.completions.create(model=name, prompt=ids, max_tokens=24, temperature=0)
+    assert resp.choices[0].text == expected[0].outputs[0].text
+
+
+def test_completions_streaming_equal_offline(client, tiny_server, tiny_offline):
+    expected = offline(tiny_offline, PROMPTS[:2], max_tokens=20)
+    for prompt, ref in zip(PROMPTS[:2], expected, strict=True):
+        stream = client.completions.create(
+            model=model_name(tiny_server), prompt=prompt, max_tokens=20, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == ref.outputs[0].text
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == ref.outputs[0].finish_reason and not any(finishes[:-1])
+        assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_chat_equal_offline(client, tiny_server, tiny_offline):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about the lazy dog."}]
+    ref = tiny_offline.chat(messages, SamplingParams(temperature=0, max_tokens=20),
+                            use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=model_name(tiny_server), messages=messages,
+                                          max_completion_tokens=20, temperature=0)
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(model=model_name(tiny_server), messages=messages,
+                                            max_tokens=20, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_n_seed_penalties(client, tiny_server, tiny_offline):
+    kw = dict(n=3, temperature=1.0, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+              top_p=0.9)
+    ref = tiny_offline.generate([PROMPTS[1]], SamplingParams(max_tokens=12, **kw),
+                                use_tqdm=False)[0]
+    resp = client.completions.create(model=model_name(tiny_server), prompt=PROMPTS[1],
+                                     max_tokens=12, user="someone", **kw)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    by_index = {c.index: c.text for c in resp.choices}
+    assert [by_index[i] for i in range(3)] == [o.text for o in ref.outputs]
+    assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+
+
+def test_stop_strings_streamed_and_not(client, tiny_server, tiny_offline):
+    full = offline(tiny_offline, [PROMPTS[0]], max_tokens=30, ignore_eos=True)[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assume_stop = full.find(stop)
+    name = model_name(tiny_server)
+    resp = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=30,
+                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == full[:assume_stop]
+    assert resp.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=30,
+                                            temperature=0, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full[:assume_stop]
+
+
+def test_logprobs(client, tiny_server, tiny_offline):
+    ref = tiny_offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=6,
+                                                            logprobs=3), use_tqdm=False)[0]
+    out = ref.outputs[0]
+    resp = client.completions.create(model=model_name(tiny_server), prompt=PROMPTS[2],
+                                     max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(out.token_ids) == len(lp.token_logprobs)
+    want = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    # Keyed by text: distinct tokens that decode alike (partial UTF-8) share a key.
+    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=model_name(tiny_server), messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_models_health_version_metrics_and_auth(tiny_server):
+    url = tiny_server.url
+    assert httpx.get(f"{url}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{url}/version").json()["version"]
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket"):
+        assert f"shardserve:{name}" in metrics, name
+    models = httpx.get(f"{url}/v1/models", headers=tiny_server.headers).json()
+    assert models["data"][0]["max_model_len"] == 512
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.get(f"{url}/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["message"]
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=2)
+
+
+def test_32_concurrent_streams(tiny_server, tiny_offline):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    expected = [r.outputs[0].text for r in offline(tiny_offline, prompts, max_tokens=32)]
+    name = model_name(tiny_server)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=32,
+                                                 temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=120) as client:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, p) for p in prompts)), 120)
+
+    assert asyncio.run(run()) == expected
+
+
+def _wait_idle(server, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (server.metric("shardserve:kv_cache_usage_perc") == 0
+                and server.metric("shardserve:num_requests_running") == 0):
+            return
+        time.sleep(0.1)
+    raise AssertionError("KV cache not freed after the client left")
+
+
+def _aborts(server) -> float:
+    try:
+        return server.metric('shardserve:request_success_total{finished_reason="abort"}')
+    except KeyError:
+        return 0.0
+
+
+def test_stream_disconnect_aborts_and_frees_kv(tiny_server):
+    body = {"model": model_name(tiny_server), "prompt": PROMPTS[3], "max_tokens": 480,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    aborts = _aborts(tiny_server)
+    with httpx.Client(timeout=30, headers=tiny_server.headers) as http, \
+            http.stream("POST", f"{tiny_server.url}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        events: list[dict] = []
+        for line in lines:  # read a few events, then leave mid-generation
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) >= 5:
+                break
+        assert tiny_server.metric("shardserve:kv_cache_usage_perc") > 0
+    _wait_idle(tiny_server)
+    assert _aborts(tiny_server) == aborts + 1
+
+
+def test_non_streaming_disconnect_aborts(tiny_server):
+    body = {"model": model_name(tiny_server), "prompt": PROMPTS[0], "max_tokens": 480,
+            "temperature": 0, "ignore_eos": True}
+    aborts = _aborts(tiny_server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=tiny_server.headers,
+                   timeout=httpx.Timeout(10, read=0.3))
+    _wait_idle(tiny_server)
+    assert _aborts(tiny_server) == aborts + 1
