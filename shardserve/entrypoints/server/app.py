@@ -155,6 +155,9 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
             ctx = err.get("ctx", {}).get("error", "")
             parts.append(f"the request body is not valid JSON ({ctx})")
             continue
+        if not loc and err.get("type") == "missing":
+            parts.append("the request body is empty; send a JSON object")
+            continue
         tags = [x for x in loc if _is_type_tag(x)]
         field_name = ".".join(x for x in loc if not _is_type_tag(x)) or "body"
         param = param or field_name
