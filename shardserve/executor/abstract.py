@@ -25,8 +25,8 @@ FailureCallback = Callable[[], None]
 _BACKENDS: dict[str, tuple[str, str] | str] = {
     "uni": ("shardserve.executor.uniproc", "UniProcExecutor"),
     "mp": ("shardserve.executor.multiproc", "MultiprocExecutor"),
-    "ray": "the RayDistributedExecutor capability (Ray actors and compiled graphs)",
-    "ray_v2": "the RayExecutorV2 capability (Ray-placed workers fed by the shared-memory queue)",
+    "ray": ("shardserve.executor.ray_distributed", "RayDistributedExecutor"),
+    "ray_v2": ("shardserve.executor.ray_v2", "RayExecutorV2"),
     "external_launcher": "the external-launcher capability (every torchrun rank runs the engine)",
 }
 

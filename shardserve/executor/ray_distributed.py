@@ -1,0 +1,286 @@
+"""RayDistributedExecutor (`ray`): one Ray actor per rank, driven by Ray itself.
+
+    collective_rpc ──actor.call.remote()──▶ every rank ──ObjectRef──▶ _RefsFuture (rank order)
+    execute_model  ──stash the SchedulerOutput (returns None)
+    sample_tokens  ──(scheduler_output, grammar_output)──▶ execute_step on every rank, either
+                     as one actor call per rank, or through a Ray Compiled Graph
+                     (InputNode ─▶ execute_step per rank ─▶ MultiOutputNode; shared-memory
+                     channels on CPU) ─▶ the output rank's ModelRunnerOutput
+
+One call per rank per step either way: execute_model and sample_tokens travel together.
+Liveness: every actor runs a watch() call in a concurrency group of its own, which ends only
+when the actor does (ray_workers.py); its failure is the death signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import fields, is_dataclass, replace
+from typing import Any
+
+import numpy as np
+import ray
+
+from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.executor import ray_utils
+from shardserve.executor.abstract import EngineDeadError, Executor
+from shardserve.executor.ray_workers import RayWorkerGroup
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # longest a waiting caller goes without checking for dead workers
+
+
+def use_compiled_graph(setting: bool | None, world_size: int) -> bool:
+    """None (auto): only where cores outnumber workers, since every compiled-graph reader
+    polls its channel and so keeps about a core busy even when idle."""
+    if setting is not None:
+        return setting
+    return len(os.sched_getaffinity(0)) > world_size
+
+
+class _LazyFuture(Future):
+    """A Future whose result() does the waiting in the caller's thread (no helper thread)."""
+
+    def __init__(self, fetch: Callable[[float | None], Any], deadline: float | None) -> None:
+        super().__init__()
+        self._fetch = fetch
+        self._deadline = deadline
+        self._lock = threading.Lock()
+
+    def result(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if not super().done():
+                try:
+                    self.set_result(self._fetch(timeout))
+                except TimeoutError as e:
+                    if self._deadline is None or time.monotonic() < self._deadline:
+                        raise  # only this wait ran out; the call is still running
+                    self.set_exception(e)
+                except BaseException as e:
+                    self.set_exception(e)
+        return super().result(timeout=0)
+
+
+class RayDistributedExecutor(Executor):
+    uses_ray = True
+
+    def _init_executor(self) -> None:
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
+        self._death: str | None = None
+        self._stashed: SchedulerOutput | None = None
+        self._graph: Any = None
+        self.use_compiled_graph = use_compiled_graph(pc.ray_use_compiled_graph, self.world_size)
+        self.group = RayWorkerGroup(self.config, self._on_worker_death)
+        try:
+            self.group.start(pc.worker_start_timeout_s)
+            self.group.watch(self.group.lifelines)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.actors = self.group.actors
+        logger.info(
+            "ray executor: model steps through %s",
+            "a compiled graph" if self.use_compiled_graph else "actor calls",
+        )
+
+    # ---- failure ----
+    def _on_worker_death(self, rank: int, reason: str) -> None:
+        if self._shut_down or self._death is not None:
+            return
+        self._death = self.group.describe(rank, reason)
+        logger.error("%s; the engine cannot continue", self._death)
+        self.is_failed = True
+        callback, self._failure_callback = self._failure_callback, None
+        if callback is not None:
+            callback()
+
+    def _raise_if_dead(self) -> None:
+        if self._death is not None:
+            raise EngineDeadError(self._death)
+        if self._shut_down:
+            raise EngineDeadError("the executor has been shut down")
+
+    def _death_cause(self, wait_s: float) -> str | None:
+        """The recorded death, or one Ray reports within wait_s (recorded now)."""
+        if self._death is None:
+            dead = self.group.find_dead(wait_s)
+            if dead is not None:
+                self._on_worker_death(*dead)
+        return self._death
+
+    # ---- collective_rpc through actor calls ----
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        self._raise_if_dead()
+        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
+        # Calls from one caller to one actor run in submission order, so futures of later
+        # calls cannot complete before earlier ones.
+        refs = [a.call.remote(method, args, kwargs or {}) for a in self.actors]
+        return self._future(refs, name, timeout, unique_reply_rank, non_block)
+
+    def _future(
+        self, refs: list[Any], name: str, timeout: float | None, rank: int | None, non_block: bool
+    ) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def fetch(wait_s: float | None) -> Any:
+            values = self._gather(refs, name, deadline, wait_s)
+            return values if rank is None else values[rank]
+
+        future = _LazyFuture(fetch, deadline)
+        return future if non_block else future.result()
+
+    def _gather(
+        self, refs: list[Any], method: str, deadline: float | None, wait_s: float | None
+    ) -> list[Any]:
+        """Every rank's value, in rank order; the first failure of any rank raises at once."""
+        start = time.monotonic()
+        wait_deadline = None if wait_s is None else start + wait_s
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        values: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            self._raise_if_dead()
+            end = min((d for d in (deadline, wait_deadline) if d is not None), default=None)
+            now = time.monotonic()
+            if end is not None and now >= end:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise TimeoutError(
+                    f"{method}() got no reply from worker ranks {ranks} within "
+                    f"{now - start:.1f} s (parallel_config.execute_timeout_s bounds model steps)"
+                )
+            slice_s = _POLL_S if end is None else min(_POLL_S, end - now)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=slice_s)
+            for ref in ready:
+                values[rank_of[ref]] = self._value(ref, rank_of[ref], method)
+        return [values[r] for r in range(len(refs))]
+
+    def _value(self, ref: Any, rank: int, method: str) -> Any:
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(
+                self._death_cause(1.0) or self.group.describe(rank, ray_utils.describe_death(e))
+            ) from e
+        return self._unwrap(value, rank, method)
+
+    def _unwrap(self, value: Any, rank: int, method: str) -> Any:
+        if not isinstance(value, ray_utils.RemoteFailure):
+            return value
+        error = value.error.to_exception(method)
+        # A collective broken by a peer's death fails here first: name the cause instead.
+        cause = self._death_cause(0.5)
+        if cause is not None:
+            raise EngineDeadError(cause) from error
+        raise error
+
+    # ---- model steps ----
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future:
+        self._raise_if_dead()
+        if self._stashed is not None:
+            raise RuntimeError("state error: sample_tokens() must follow each execute_model()")
+        # Runs with sample_tokens, as one call per rank (see the module docstring).
+        self._stashed = scheduler_output
+        return _done(None) if non_block else None
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        scheduler_output, self._stashed = self._stashed, None
+        if scheduler_output is None:
+            return super().sample_tokens(grammar_output, non_block)
+        self._raise_if_dead()
+        inputs = (scheduler_output, grammar_output)
+        timeout = self.parallel_config.execute_timeout_s
+        if self.use_compiled_graph:
+            return self._run_graph(inputs, timeout, non_block)
+        refs = [a.execute_step.remote(inputs) for a in self.actors]
+        return self._future(refs, "execute_step", timeout, self.output_rank, non_block)
+
+    def _run_graph(self, inputs: tuple, timeout: float, non_block: bool) -> Any:
+        refs = self._compiled_graph().execute(inputs)
+        deadline = time.monotonic() + timeout
+
+        def fetch(_wait_s: float | None) -> Any:
+            # A compiled-graph result can be read only once, so a shorter wait of the caller
+            # cannot be honoured: the step's own deadline bounds the read.
+            try:
+                values = ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError as e:
+                raise TimeoutError(f"a compiled-graph step took longer than {timeout} s") from e
+            except Exception as e:  # Ray tears the graph down when an actor dies
+                cause = self._death_cause(1.0)
+                if cause is not None:
+                    raise EngineDeadError(cause) from e
+                raise
+            return detach(self._unwrap_all(values)[self.output_rank])
+
+        future = _LazyFuture(fetch, deadline)
+        return future if non_block else future.result()
+
+    def _unwrap_all(self, values: list[Any]) -> list[Any]:
+        return [self._unwrap(v, r, "execute_step") for r, v in enumerate(values)]
+
+    def _compiled_graph(self) -> Any:
+        if self._graph is None:
+            from ray.dag import DAGContext, InputNode, MultiOutputNode
+
+            ctx = DAGContext.get_current()
+            # Ray's default read deadline (10 s) is shorter than a slow model step may be.
+            ctx.get_timeout = max(ctx.get_timeout, int(self.parallel_config.execute_timeout_s))
+            with InputNode() as step_input:
+                dag = MultiOutputNode([a.execute_step.bind(step_input) for a in self.actors])
+            self._graph = dag.experimental_compile()
+        return self._graph
+
+    # ---- shutdown ----
+    def shutdown(self) -> None:
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self.group.stop_watching()
+            if self._graph is not None:  # before the actors go: teardown talks to them
+                try:
+                    self._graph.teardown()
+                except Exception as e:
+                    logger.warning("compiled graph teardown failed: %s", e)
+                self._graph = None
+            self.group.stop()
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def detach(output: Any) -> Any:
+    """Copy read-only numpy arrays (zero-copy views into a compiled graph's shared-memory
+    channel) so that holding an output does not pin the channel's buffer."""
+    if not is_dataclass(output) or isinstance(output, type):
+        return output
+    changes = {
+        f.name: np.array(v)
+        for f in fields(output)
+        if isinstance(v := getattr(output, f.name), np.ndarray) and not v.flags.writeable
+    }
+    return replace(output, **changes) if changes else output

@@ -1,0 +1,201 @@
+"""RayWorkerGroup: the worker actors of one engine, from placement to teardown.
+
+    start(): connect_ray ─▶ place_ranks ─▶ one RayWorkerWrapper actor per rank (in its bundle)
+             ─▶ rank 0 binds the rendezvous ─▶ init_worker on every rank (init_device, load_model)
+    watch(refs): a thread waits on one long-running ref per actor; the first to finish (the
+             actor died, or its loop ended) is reported once through `on_death(rank, reason)`
+    stop():  stop watching ─▶ ray.kill every actor and wait until they are gone ─▶ remove the
+             placement group we created ─▶ stop a Ray we started
+
+Both Ray backends hold one; they differ only in how calls reach the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from shardserve.config import EngineConfig
+from shardserve.executor import ray_utils
+from shardserve.executor.worker_process import WorkerStartupError
+
+logger = logging.getLogger(__name__)
+
+_WATCH_POLL_S = 0.2  # a death is reported at most this long after Ray sees it
+_KILL_WAIT_S = 5.0
+
+DeathCallback = Callable[[int, str], None]
+
+
+class RayWorkerGroup:
+    def __init__(self, config: EngineConfig, on_death: DeathCallback) -> None:
+        self.config = config
+        self.pc = config.parallel_config
+        self.instance_id = secrets.token_hex(4)
+        self._on_death = on_death
+        self.connection: ray_utils.RayConnection | None = None
+        self.placement: ray_utils.Placement | None = None
+        self.actors: list[Any] = []
+        self.info: list[dict[str, Any]] = []
+        self._watched: dict[Any, int] = {}  # long-running ref -> rank
+        self.lifelines: dict[Any, int] = {}  # watch() refs: they end only when the actor does
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- start ----
+    def start(self, timeout_s: float) -> None:
+        self.connection = ray_utils.connect_ray(self.pc)
+        self.placement = ray_utils.place_ranks(self.pc, self.config.device_config.device)
+        self.actors = [self._create_actor(rank) for rank in range(self.pc.world_size)]
+        self.lifelines = {a.watch.remote(): rank for rank, a in enumerate(self.actors)}
+        deadline = time.monotonic() + timeout_s
+        init_method = None
+        if self.pc.world_size > 1:
+            init_method = self._get([self.actors[0].create_rendezvous.remote()], deadline)[0]
+        p = self.placement
+        self._get(
+            [
+                actor.init_worker.remote(
+                    p.local_rank(rank), len(p.ranks_on(p.nodes[rank])), init_method,
+                    self.pc.worker_cls,
+                )
+                for rank, actor in enumerate(self.actors)
+            ],
+            deadline,
+        )  # fmt: skip
+        self.info = self._get([a.info.remote() for a in self.actors], deadline)
+        logger.info(
+            "Ray workers: %s",
+            ", ".join(f"rank {i['rank']} pid {i['pid']} on {i['node_ip']}" for i in self.info),
+        )
+
+    def _create_actor(self, rank: int) -> Any:
+        p = self.placement
+        assert p is not None
+        cpus = p.cpus[rank] or self.pc.ray_cpus_per_worker
+        threads = ray_utils.threads_for(cpus)
+        options: dict[str, Any] = dict(
+            name=ray_utils.actor_name(self.instance_id, rank, self.pc),
+            num_cpus=cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                p.group, placement_group_bundle_index=p.bundles[rank]
+            ),
+            runtime_env={"env_vars": ray_utils.worker_env(threads)},
+            max_restarts=0,  # a dead rank cannot rejoin the process group: fail instead
+        )
+        if self.config.device_config.device == "cuda":
+            options["num_gpus"] = 1  # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU
+        output_rank = self.pc.world_size - self.pc.tensor_parallel_size
+        return (
+            ray_utils.remote_worker_class()
+            .options(**options)
+            .remote(self.config, rank, threads, output_rank)
+        )
+
+    def _get(self, refs: list[Any], deadline: float) -> list[Any]:
+        """ray.get of one ref per rank, surfacing the first failure at once (the other ranks
+        may be blocked in the rendezvous waiting for the failed one)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
+            if not ready:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise WorkerStartupError(
+                    f"worker ranks {ranks} did not report ready within "
+                    f"{self.pc.worker_start_timeout_s:.0f} s; raise "
+                    f"parallel_config.worker_start_timeout_s if loading is just slow"
+                )
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                raise WorkerStartupError(
+                    f"worker rank {rank_of[ready[0]]} failed during start-up: {e}"
+                ) from e
+        return ray.get(refs)
+
+    # ---- death watch ----
+    def watch(self, refs: dict[Any, int]) -> None:
+        """Report the first of `refs` (one long-running call per rank) that finishes."""
+        self._watched = refs
+        self._thread = threading.Thread(
+            target=self._watch_loop, name="shardserve-ray-monitor", daemon=True
+        )
+        self._thread.start()
+
+    def _watch_loop(self) -> None:
+        # Short bounded waits, not one blocking wait: stop() must be able to end this thread
+        # before Ray is shut down underneath it.
+        while not self._stop.is_set() and ray.is_initialized():
+            try:
+                dead = self.find_dead(_WATCH_POLL_S)
+            except Exception as e:
+                logger.warning("the Ray worker monitor stopped: %s", e)
+                return
+            if dead is not None and not self._stop.is_set():
+                self._on_death(*dead)
+                return
+
+    def find_dead(self, wait_s: float) -> tuple[int, str] | None:
+        """(rank, reason) of a watched call that has finished, waiting up to wait_s."""
+        if not self._watched:
+            return None
+        ready, _ = ray.wait(list(self._watched), num_returns=1, timeout=wait_s)
+        if not ready:
+            return None
+        try:
+            ray.get(ready[0], timeout=1.0)
+            reason = "its loop returned"
+        except Exception as e:
+            reason = ray_utils.describe_death(e)
+        return self._watched[ready[0]], reason
+
+    def describe(self, rank: int, reason: str) -> str:
+        info = self.info[rank] if rank < len(self.info) else {}
+        where = f"pid {info.get('pid', '?')} on node {info.get('node_ip', '?')}"
+        return f"worker rank {rank} ({where}) died unexpectedly ({reason})"
+
+    # ---- stop ----
+    def stop_watching(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def stop(self, grace_s: float = 0.0, graceful: list[Any] | None = None) -> None:
+        """Kill the actors (after up to grace_s for the `graceful` calls to end by themselves),
+        remove the placement group we created and stop a Ray we started. Idempotent."""
+        self.stop_watching()
+        if not ray.is_initialized():
+            return
+        if grace_s > 0 and graceful:
+            ray.wait(graceful, num_returns=len(graceful), timeout=grace_s)
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                logger.warning("could not kill a worker actor: %s", e)
+        self._wait_gone()
+        self.actors = []
+        ray_utils.remove_placement(self.placement)
+        self.placement = None
+        ray_utils.disconnect_ray(self.connection)
+        self.connection = None
+
+    def _wait_gone(self) -> None:
+        """Block until every killed actor has exited (so nothing is left when we return)."""
+        refs = list(self.lifelines)
+        if refs:
+            _, alive = ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT_S)
+            if alive:
+                ranks = sorted(self.lifelines[r] for r in alive)
+                logger.warning(
+                    "worker ranks %s still alive %.0f s after ray.kill", ranks, _KILL_WAIT_S
+                )

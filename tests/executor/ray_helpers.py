@@ -1,0 +1,88 @@
+"""Shared by the Ray tests: a Ray instance whose files stay in a temporary directory, and the
+check that an engine left nothing behind in it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import psutil
+import ray
+from ray.util.placement_group import placement_group_table
+
+# Keep Ray's token file inside the temp dir, and its usage report off.
+_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@contextlib.contextmanager
+def ray_env() -> Iterator[str]:
+    """Ray's environment variables and a short temporary directory (unix sockets live in it,
+    and their paths are limited to ~107 bytes)."""
+    saved = {k: os.environ.get(k) for k in _ENV}
+    os.environ.update(_ENV)
+    tmp = tempfile.mkdtemp(prefix="/tmp/rt")
+    try:
+        yield tmp
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_session(**init_kwargs) -> Iterator[None]:
+    with ray_env() as tmp:
+        ray.init(include_dashboard=False, _temp_dir=tmp, **init_kwargs)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            assert_no_ray_processes()
+
+
+def ray_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "ray" in " ".join(p.cmdline()).lower():
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_no_ray_processes(timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ray_children(), [p.cmdline()[:3] for p in ray_children()]
+
+
+def our_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "shardserve" in n}
+
+
+def nothing_left(segments_before: set[str], timeout_s: float = 5.0) -> None:
+    """No shardserve actor alive, no placement group left, no new shm segment of ours."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("shardserve_")
+        ]
+        groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        segments = our_segments() - segments_before
+        if not (actors or groups or segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not actors, actors
+    assert not groups, groups
+    assert not segments, segments

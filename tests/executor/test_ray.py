@@ -1,0 +1,143 @@
+"""The Ray backends on a real (local, CPU-only) Ray: equality with uni, RPC, failures, cleanup.
+
+One Ray instance serves the whole module; its files live in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray_helpers import nothing_left, our_segments, ray_session  # noqa: E402
+
+from shardserve import LLM, EngineDeadError, SamplingParams  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello, world! How are", "Tensor parallel"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+# backend, compiled graph
+PATHS = {
+    "ray-actor-calls": ("ray", False),
+    "ray-compiled-graph": ("ray", True),
+    "ray_v2": ("ray_v2", None),
+}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # 4 logical CPUs on a 2-core machine: two ranks of 1 CPU each fit beside the driver.
+    with ray_session(num_cpus=4):
+        yield
+
+
+@pytest.fixture(scope="module")
+def uni_tokens(tiny_llama_dir) -> list[list[int]]:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    try:
+        return _tokens(llm)
+    finally:
+        llm.shutdown()
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _llm(path, path_id: str, **kwargs) -> LLM:
+    backend, graph = PATHS[path_id]
+    options = dict(
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=2,
+        distributed_executor_backend=backend,
+        worker_start_timeout_s=90,
+    )
+    if graph is not None:
+        options["ray_use_compiled_graph"] = graph
+    options.update(kwargs)
+    return LLM(str(path), **options)
+
+
+@pytest.mark.parametrize("path_id", list(PATHS))
+def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, path_id):
+    before = our_segments()
+    llm = _llm(tiny_llama_dir, path_id)
+    executor = llm.engine.core.executor
+    try:
+        assert type(executor).__name__ == {"ray": "RayDistributedExecutor"}.get(
+            PATHS[path_id][0], "RayExecutorV2"
+        )
+        if PATHS[path_id][1] is not None:
+            assert executor.use_compiled_graph is PATHS[path_id][1]
+        assert llm.collective_rpc("get_rank") == [0, 1]
+        assert llm.collective_rpc(lambda w: w.rank * 10) == [0, 10]
+        assert executor.collective_rpc("get_rank", unique_reply_rank=1) == 1
+        futures = [executor.collective_rpc("get_rank", non_block=True) for _ in range(3)]
+        assert all(isinstance(f, Future) for f in futures)
+        assert [f.result(timeout=10) for f in reversed(futures)] == [[0, 1]] * 3
+        with pytest.raises(ValueError, match=r"rank \d \(pid \d+\).*level") as err:
+            executor.collective_rpc("sleep", kwargs={"level": 7})
+        assert "Traceback" in str(err.value.__cause__)
+        assert llm.collective_rpc("get_rank") == [0, 1]  # healthy after a remote error
+        executor.check_health()
+        # Ranks share this small machine: one torch thread each.
+        assert llm.collective_rpc(lambda w: __import__("torch").get_num_threads()) == [1, 1]
+        assert _tokens(llm) == uni_tokens
+        if PATHS[path_id][1]:
+            assert executor._graph is not None  # the steps really went through the graph
+    finally:
+        llm.shutdown()
+    nothing_left(before)
+
+
+def test_unsatisfiable_placement_group_fails_in_time(ray_cluster, tiny_llama_dir):
+    from shardserve.executor.ray_utils import RayPlacementError
+
+    before = our_segments()
+    t0 = time.monotonic()
+    with pytest.raises(RayPlacementError) as err:
+        _llm(tiny_llama_dir, "ray-actor-calls", ray_cpus_per_worker=64, ray_placement_timeout_s=2)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    text = str(err.value)
+    print(text)
+    assert "{'CPU': 64.0}" in text and "2 bundles" in text
+    assert "strategy PACK" in text
+    assert "free: {CPU=" in text  # the node's free resources
+    nothing_left(before)
+
+
+@pytest.mark.parametrize("path_id", ["ray-actor-calls", "ray_v2"])
+def test_ray_kill_of_a_worker_during_generate(ray_cluster, tiny_llama_dir, path_id):
+    before = our_segments()
+    llm = _llm(tiny_llama_dir, path_id)
+    executor = llm.engine.core.executor
+    calls = []
+    executor.register_failure_callback(lambda: calls.append(1))
+    victim = executor.group.actors[1]
+    killed_at = []
+
+    def kill_soon() -> None:
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        ray.kill(victim)
+
+    threading.Thread(target=kill_soon).start()
+    try:
+        with pytest.raises(EngineDeadError) as err:
+            llm.generate(PROMPTS * 4, LONG, use_tqdm=False)
+        detected = time.monotonic() - killed_at[0]
+        print(f"ray.kill detected after {detected * 1000:.0f} ms: {err.value}")
+        assert detected < 2
+        assert "rank 1" in str(err.value)
+        with pytest.raises(EngineDeadError):
+            executor.check_health()
+        assert calls == [1]
+    finally:
+        llm.shutdown()
+    nothing_left(before)
