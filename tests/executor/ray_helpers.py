@@ -14,8 +14,8 @@ import psutil
 import ray
 from ray.util.placement_group import placement_group_table
 
-# Keep Ray's token file inside the temp dir, and its usage report off.
-_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# No token file in ~/.ray, no usage report; RAY_TMPDIR is set to the temporary directory.
+_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ""}
 
 
 @contextlib.contextmanager
@@ -23,8 +23,9 @@ def ray_env() -> Iterator[str]:
     """Ray's environment variables and a short temporary directory (unix sockets live in it,
     and their paths are limited to ~107 bytes)."""
     saved = {k: os.environ.get(k) for k in _ENV}
-    os.environ.update(_ENV)
     tmp = tempfile.mkdtemp(prefix="/tmp/rt")
+    os.makedirs(os.path.join(tmp, "ray"))  # RAY_TMPDIR/ray holds the current-cluster address
+    os.environ.update(_ENV, RAY_TMPDIR=tmp)  # also where a Ray started by shardserve goes
     try:
         yield tmp
     finally:
