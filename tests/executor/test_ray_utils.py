@@ -1,0 +1,89 @@
+"""ray_utils pieces without a cluster, and an engine that starts (and stops) its own Ray."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray_helpers import assert_no_ray_processes, our_segments, ray_env  # noqa: E402
+
+from shardserve import LLM, SamplingParams  # noqa: E402
+from shardserve.config import ParallelConfig  # noqa: E402
+from shardserve.engine.messages import ModelRunnerOutput  # noqa: E402
+from shardserve.executor import ray_utils  # noqa: E402
+from shardserve.executor.ray_distributed import detach, use_compiled_graph  # noqa: E402
+
+
+def test_actor_names_are_predictable():
+    pc = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert ray_utils.actor_name("ab12", 1, pc) == "shardserve_ab12_TP1"
+
+
+def test_worker_env_propagates_knobs_not_per_worker_vars(monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("SHARDSERVE_HOST_IP", "10.0.0.1")
+    env = ray_utils.worker_env(threads=3)
+    assert env["SHARDSERVE_LOG_LEVEL"] == "DEBUG" and env["HF_HUB_OFFLINE"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env and "SHARDSERVE_HOST_IP" not in env
+    assert env["OMP_NUM_THREADS"] == "3"
+
+
+def test_bundles_and_config_validation():
+    pc = ParallelConfig(
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        ray_cpus_per_worker=0.5,
+        ray_bundle_resources='{"slot": 1}',  # as given on the command line
+    )
+    assert ray_utils.bundle_specs(pc, "cpu") == [{"CPU": 0.5, "slot": 1}] * 2
+    assert ray_utils.bundle_specs(pc, "cuda")[0]["GPU"] == 1.0
+    with pytest.raises(ValueError, match="ray_placement_strategy"):
+        ParallelConfig(ray_placement_strategy="CLOSE")
+    with pytest.raises(ValueError, match="ray_bundle_resources"):
+        ParallelConfig(ray_bundle_resources={"slot": "one"})
+
+
+def test_compiled_graph_default_depends_on_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert use_compiled_graph(None, cores) is False  # as many workers as cores: actor calls
+    assert use_compiled_graph(None, cores - 1) is (cores > 1)
+    assert use_compiled_graph(True, 64) is True
+
+
+def test_detach_copies_read_only_arrays():
+    ids = np.arange(3)
+    ids.flags.writeable = False
+    out = detach(ModelRunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=ids))
+    assert out.sampled_token_ids.flags.writeable and out.sampled_token_ids.tolist() == [0, 1, 2]
+    writable = ModelRunnerOutput.empty()
+    assert detach(writable) is writable
+
+
+def test_engine_starts_and_stops_its_own_ray(tiny_llama_dir):
+    """No Ray initialised and no address: the executor starts a local Ray, and stops it."""
+    assert not ray.is_initialized()
+    before = our_segments()
+    with ray_env():
+        os.environ.pop("RAY_ADDRESS", None)
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=128,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray_v2",
+        )
+        try:
+            assert llm.engine.core.executor.group.connection.started_local
+            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+        finally:
+            llm.shutdown()
+        assert not ray.is_initialized()
+        assert_no_ray_processes()
+    assert our_segments() == before
