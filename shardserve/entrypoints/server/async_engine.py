@@ -70,6 +70,8 @@ class AsyncEngineClient:
         self.dead_error: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._closing = False
+        self._draining = False  # a stop signal came: refuse new requests, end open ones
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-server-")
         self.addrs = EngineAddresses(f"ipc://{self._tmpdir}/in", f"ipc://{self._tmpdir}/out")
         self._ctx: zmq.asyncio.Context | None = None
@@ -118,12 +120,15 @@ class AsyncEngineClient:
     def _stop_process(self) -> None:
         """Wait for the engine to exit (it stops its workers), then SIGTERM, then SIGKILL."""
         self._death_w.close()  # EOF on the death pipe: exit even if no "shutdown" arrived
+        start = time.monotonic()
         self.proc.join(_JOIN_S)
         for stop in (self.proc.terminate, self.proc.kill):
             if not self.proc.is_alive():
                 break
+            logger.warning("the engine process did not exit in time; stopping it")
             stop()
             self.proc.join(1.0)
+        logger.info("engine process stopped in %.2f s", time.monotonic() - start)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ---- lifecycle (inside the event loop) ----
@@ -133,7 +138,7 @@ class AsyncEngineClient:
         self._in.bind(self.addrs.input_addr)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self.addrs.output_addr)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_process_exit)
         self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
 
@@ -158,6 +163,13 @@ class AsyncEngineClient:
             self._out.close(linger=0)
             self._ctx.term()
 
+    def begin_shutdown(self) -> None:
+        """From a signal handler: end every open request now (an error event for streams), so
+        uvicorn need not wait out its grace period for them. Thread- and signal-safe."""
+        self._draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, "the server is shutting down")
+
     def shutdown_sync(self) -> None:
         """For paths where the event loop never ran (start-up failed or was interrupted)."""
         if not self._closing:
@@ -172,7 +184,7 @@ class AsyncEngineClient:
     def check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        if self._closing:
+        if self._closing or self._draining:
             raise EngineDeadError("the server is shutting down")
 
     async def generate(

@@ -75,7 +75,7 @@ class ServeCommand:
                                        access_log=args.access_log,
                                        timeout_graceful_shutdown=_GRACEFUL_S)
             logger.info("serving %s on http://%s:%d", served, args.host, args.port)
-            uvicorn.Server(uv_config).run()
+            _server_class()(uv_config, client.begin_shutdown).run()
         except _Terminated:
             logger.info("terminated")
         finally:
@@ -83,6 +83,25 @@ class ServeCommand:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
         return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the engine client as soon as a stop signal arrives."""
+
+        def __init__(self, config: uvicorn.Config, on_exit: Any) -> None:
+            super().__init__(config)
+            self._on_exit = on_exit
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                logger.info("signal %d: shutting down", sig)
+            super().handle_exit(sig, frame)
+            self._on_exit()
+
+    return Server
 
 
 def served_names(model: str | None, served: str | None, path: Path) -> tuple[str, set[str]]:
