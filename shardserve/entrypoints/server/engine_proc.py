@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.engine.messages import EngineCoreOutput
 from shardserve.engine.request import Request
@@ -76,7 +77,7 @@ def run_engine_core(
     # SIGINT; SIGTERM (sent to us alone) exits through the finally blocks below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    logging.basicConfig(level=os.environ.get("SHARDSERVE_LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=envs.log_level(),
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     _set_title("shardserve::engine_core")
     from shardserve.engine.core import EngineCore

@@ -116,3 +116,20 @@ def test_signal_stops_everything_within_5s(tiny_llama_dir, tmp_path, sig):
     assert not shm_segments() - server.shm_before
     reader.join(5)
     assert reader.ended_at is not None
+
+
+def test_engine_exits_when_the_api_server_dies(tiny_llama_dir, tmp_path):
+    """The death pipe: with the API server SIGKILLed (no cleanup at all), the engine process
+    notices EOF and exits, mid-generation, on its own."""
+    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
+    engine = engine_process(server)
+    reader = StreamReader(server)
+    reader.wait_for_tokens()
+    server.proc.kill()
+    try:
+        engine.wait(5)
+    except psutil.TimeoutExpired:
+        engine.kill()
+        raise AssertionError("the engine process outlived the API server by 5 s") from None
+    finally:
+        server.stop()
