@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -87,11 +88,16 @@ def run_engine_core(
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which exits with it
         ready.send(("error", f"{type(e).__name__}: {e}"))
         return
+    loop = None
     try:
         ready.send(("ready", core.kv_cache_config.num_blocks))
-        EngineCoreLoop(core, addrs, death).run()
+        loop = EngineCoreLoop(core, addrs, death)
+        loop.run()
     finally:
         core.shutdown()
+        if loop is not None and loop.orphaned:  # the server cannot remove its socket dir now
+            shutil.rmtree(os.path.dirname(addrs.input_addr.removeprefix("ipc://")),
+                          ignore_errors=True)
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
@@ -111,6 +117,7 @@ class EngineCoreLoop:
     def __init__(self, core: Any, addrs: EngineAddresses, death: Connection) -> None:
         self.core = core
         self.death = death
+        self.orphaned = False  # the API server died without telling us
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(addrs.input_addr)
@@ -144,6 +151,7 @@ class EngineCoreLoop:
             events = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
             if self.death.fileno() in events:
                 logger.info("the API server is gone; shutting down")
+                self.orphaned = True
                 return
             if self.core.executor.is_failed:
                 self._report_dead("the executor failed (a worker died)")

@@ -4,6 +4,7 @@ no process or shared-memory segment behind."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -121,8 +122,11 @@ def test_signal_stops_everything_within_5s(tiny_llama_dir, tmp_path, sig):
 def test_engine_exits_when_the_api_server_dies(tiny_llama_dir, tmp_path):
     """The death pipe: with the API server SIGKILLed (no cleanup at all), the engine process
     notices EOF and exits, mid-generation, on its own."""
+    before = set(glob.glob("/tmp/shardserve-server-*"))
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
     engine = engine_process(server)
+    socket_dirs = set(glob.glob("/tmp/shardserve-server-*")) - before
+    assert socket_dirs
     reader = StreamReader(server)
     reader.wait_for_tokens()
     server.proc.kill()
@@ -133,3 +137,4 @@ def test_engine_exits_when_the_api_server_dies(tiny_llama_dir, tmp_path):
         raise AssertionError("the engine process outlived the API server by 5 s") from None
     finally:
         server.stop()
+    assert not socket_dirs & set(glob.glob("/tmp/shardserve-server-*"))  # the engine removed it
