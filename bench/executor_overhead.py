@@ -6,12 +6,15 @@ Rows: uni, mp TP=1 (default model), and mp TP=2 on a random-weight model of the 
 size whose heads divide by 2 (8 heads of 72 instead of 9 of 64). Decode step latency is isolated
 as (time of 1 + N tokens - time of 1 token) / N; the mp overhead is reported against uni in
 microseconds and percent, and TP=2 as a ratio of TP=1 tokens/s. Also the bare round trip of
-collective_rpc (a no-op method on every rank).
+collective_rpc (a no-op method on every rank). With the [ray] extra installed: ray (actor
+calls), ray (compiled graph) and ray_v2 rows, each compared with the matching mp row.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import statistics
 import tempfile
 import time
@@ -95,7 +98,35 @@ def main() -> None:
             measure("mp TP=2 (8-head)", tp2_model, distributed_executor_backend="mp",
                     tensor_parallel_size=2, **common),
         ]  # fmt: skip
+        rows += ray_rows(tp2_model, common)
     report(rows, batches)
+
+
+def ray_rows(tp2_model: str, common: dict) -> list[dict]:
+    """The Ray backends beside mp (skipped without the [ray] extra): TP=1 on the default model
+    against `mp TP=1`, and ray_v2 TP=2 against `mp TP=2 (8-head)`."""
+    if importlib.util.find_spec("ray") is None:
+        print("ray is not installed (pip install -e '.[ray]'): no ray rows")
+        return []
+    import ray
+
+    # A Ray rank runs as many torch threads as its bundle has CPUs; reserve what an mp worker
+    # would use (all cores at TP=1, half each at TP=2) so the rows compare the executors.
+    cores = len(os.sched_getaffinity(0))
+    tp1 = dict(ray_cpus_per_worker=cores, **common)
+    ray.init(num_cpus=cores, include_dashboard=False)
+    try:
+        return [
+            measure("ray TP=1 (actors)", None, distributed_executor_backend="ray",
+                    ray_use_compiled_graph=False, **tp1),
+            measure("ray TP=1 (graph)", None, distributed_executor_backend="ray",
+                    ray_use_compiled_graph=True, **tp1),
+            measure("ray_v2 TP=1", None, distributed_executor_backend="ray_v2", **tp1),
+            measure("ray_v2 TP=2 (8-head)", tp2_model, distributed_executor_backend="ray_v2",
+                    tensor_parallel_size=2, ray_cpus_per_worker=max(1, cores // 2), **common),
+        ]  # fmt: skip
+    finally:
+        ray.shutdown()
 
 
 def report(rows: list[dict], batches: list[int]) -> None:
@@ -117,6 +148,17 @@ def report(rows: list[dict], batches: list[int]) -> None:
     tp1, tp2 = base["mp TP=1 (8-head)"], base["mp TP=2 (8-head)"]
     for b in batches:
         print(f"TP=2 / TP=1 tokens/s at b={b}: {tp1[b] / tp2[b]:.2f}x")
+    for label, mp_label in (
+        ("ray TP=1 (actors)", "mp TP=1"),
+        ("ray TP=1 (graph)", "mp TP=1"),
+        ("ray_v2 TP=1", "mp TP=1"),
+        ("ray_v2 TP=2 (8-head)", "mp TP=2 (8-head)"),
+    ):
+        if label in base:
+            ratios = ", ".join(
+                f"b={b} {base[label][b] / base[mp_label][b] - 1:+.1%}" for b in batches
+            )
+            print(f"{label} step time vs {mp_label}: {ratios}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ class RayDistributedExecutor(Executor):
         self._death: str | None = None
         self._stashed: SchedulerOutput | None = None
         self._graph: Any = None
+        self._step_failed = False  # since then a rank may be stuck in a collective
+        self._graph_failure: ray_utils.RemoteFailure | None = None
         self.use_compiled_graph = use_compiled_graph(pc.ray_use_compiled_graph, self.world_size)
         self.group = RayWorkerGroup(self.config, self._on_worker_death)
         try:
@@ -94,10 +96,12 @@ class RayDistributedExecutor(Executor):
 
     # ---- failure ----
     def _on_worker_death(self, rank: int, reason: str) -> None:
-        if self._shut_down or self._death is not None:
-            return
-        self._death = self.group.describe(rank, reason)
-        logger.error("%s; the engine cannot continue", self._death)
+        if not self._shut_down and self._death is None:
+            self._mark_failed(self.group.describe(rank, reason))
+
+    def _mark_failed(self, death: str) -> None:
+        self._death = death
+        logger.error("%s; the engine cannot continue", death)
         self.is_failed = True
         callback, self._failure_callback = self._failure_callback, None
         if callback is not None:
@@ -167,23 +171,30 @@ class RayDistributedExecutor(Executor):
                 )
             slice_s = _POLL_S if end is None else min(_POLL_S, end - now)
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=slice_s)
-            for ref in ready:
-                values[rank_of[ref]] = self._value(ref, rank_of[ref], method)
+            arrived = [self._value(ref, rank_of[ref]) for ref in ready]
+            self._raise_first_failure(arrived, method)
+            values.update(zip((rank_of[ref] for ref in ready), arrived, strict=True))
         return [values[r] for r in range(len(refs))]
 
-    def _value(self, ref: Any, rank: int, method: str) -> Any:
+    def _value(self, ref: Any, rank: int) -> Any:
         try:
-            value = ray.get(ref)
+            return ray.get(ref)
         except ray.exceptions.RayActorError as e:
             raise EngineDeadError(
                 self._death_cause(1.0) or self.group.describe(rank, ray_utils.describe_death(e))
             ) from e
-        return self._unwrap(value, rank, method)
 
-    def _unwrap(self, value: Any, rank: int, method: str) -> Any:
-        if not isinstance(value, ray_utils.RemoteFailure):
-            return value
-        error = value.error.to_exception(method)
+    def _raise_first_failure(self, values: list[Any], method: str) -> None:
+        """Raise the earliest RemoteFailure among `values`: the others are usually ranks whose
+        collective broke because of it."""
+        failures = [v for v in values if isinstance(v, ray_utils.RemoteFailure)]
+        if failures:
+            self._step_failed = self._step_failed or method == "execute_step"
+            first = min(failures, key=lambda f: f.failed_at)
+            self._raise_remote(first, method)
+
+    def _raise_remote(self, failure: ray_utils.RemoteFailure, method: str) -> None:
+        error = failure.error.to_exception(method)
         # A collective broken by a peer's death fails here first: name the cause instead.
         cause = self._death_cause(0.5)
         if cause is not None:
@@ -227,17 +238,18 @@ class RayDistributedExecutor(Executor):
             except ray.exceptions.GetTimeoutError as e:
                 raise TimeoutError(f"a compiled-graph step took longer than {timeout} s") from e
             except Exception as e:  # Ray tears the graph down when an actor dies
+                if self._graph_failure is not None:  # a rank failed; we stopped the others
+                    # Its cause stays the rank's traceback; Ray's error is only the context.
+                    raise self._graph_failure.error.to_exception("execute_step")  # noqa: B904
                 cause = self._death_cause(1.0)
                 if cause is not None:
                     raise EngineDeadError(cause) from e
                 raise
-            return detach(self._unwrap_all(values)[self.output_rank])
+            self._raise_first_failure(values, "execute_step")
+            return detach(values[self.output_rank])
 
         future = _LazyFuture(fetch, deadline)
         return future if non_block else future.result()
-
-    def _unwrap_all(self, values: list[Any]) -> list[Any]:
-        return [self._unwrap(v, r, "execute_step") for r, v in enumerate(values)]
 
     def _compiled_graph(self) -> Any:
         if self._graph is None:
@@ -249,7 +261,33 @@ class RayDistributedExecutor(Executor):
             with InputNode() as step_input:
                 dag = MultiOutputNode([a.execute_step.bind(step_input) for a in self.actors])
             self._graph = dag.experimental_compile()
+            threading.Thread(
+                target=self._watch_graph_failures, name="shardserve-graph-failures", daemon=True
+            ).start()
         return self._graph
+
+    def _watch_graph_failures(self) -> None:
+        """A graph step returns only when every rank has, and the peers of a failed rank may
+        wait for it in a collective for ever: on the first failure, record it and kill the
+        actors (the engine stops after a failed step anyway); the blocked read then ends
+        and raises the recorded failure."""
+        refs = {a.next_failure.remote(): r for r, a in enumerate(self.actors)}
+        while not self._shut_down and ray.is_initialized():
+            try:
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=_POLL_S * 2)
+                if not ready:
+                    continue
+                failure = ray.get(ready[0])
+            except Exception:
+                return  # an actor died, or Ray is going away: the death watch reports it
+            self._graph_failure = failure
+            self._step_failed = True
+            self._mark_failed(
+                f"the workers were stopped after rank {failure.error.rank} failed a "
+                f"compiled-graph step ({failure.error.exc_type}: {failure.error.message})"
+            )
+            self.group.kill_actors()
+            return
 
     # ---- shutdown ----
     def shutdown(self) -> None:
@@ -258,13 +296,29 @@ class RayDistributedExecutor(Executor):
                 return
             self._shut_down = True
             self.group.stop_watching()
-            if self._graph is not None:  # before the actors go: teardown talks to them
-                try:
-                    self._graph.teardown()
-                except Exception as e:
-                    logger.warning("compiled graph teardown failed: %s", e)
+            if self._graph is not None:
+                # Teardown waits (30 s) for every rank's graph loop to stop; one stuck in a
+                # collective after a failure never does, so then the actors go first.
+                killed = self._step_failed or self._death is not None
+                if killed:
+                    self.group.kill_actors()
+                _teardown(self._graph, quiet=killed)
                 self._graph = None
             self.group.stop()
+
+
+def _teardown(graph: Any, quiet: bool) -> None:
+    # After ray.kill, Ray logs a traceback per actor it could not cancel: expected, so hidden.
+    ray_logger = logging.getLogger("ray.dag.compiled_dag_node")
+    level = ray_logger.level
+    if quiet:
+        ray_logger.setLevel(logging.CRITICAL)
+    try:
+        graph.teardown()
+    except Exception as e:
+        logger.warning("compiled graph teardown failed: %s", e)
+    finally:
+        ray_logger.setLevel(level)
 
 
 def _done(value: Any) -> Future:

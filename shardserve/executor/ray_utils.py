@@ -81,10 +81,6 @@ def disconnect_ray(conn: RayConnection | None) -> None:
         ray.shutdown()
 
 
-def driver_node_id() -> str:
-    return ray.get_runtime_context().get_node_id()
-
-
 # ---- placement --------------------------------------------------------------------------------
 @dataclass
 class Placement:
@@ -96,6 +92,7 @@ class Placement:
     nodes: list[str]
     node_ips: list[str]
     cpus: list[float]  # logical CPUs in each rank's bundle
+    gpus: list[float]
     driver_node: str
     specs: list[dict[str, float]] = field(default_factory=list)
 
@@ -199,12 +196,12 @@ def _order_by_node(
 ) -> Placement:
     table = placement_group_table(group)
     to_node: dict[int, str] = table["bundles_to_node_id"]
-    cpus = {i: float(b.get("CPU", 0.0)) for i, b in table["bundles"].items()}
+    held = table["bundles"]
     if len(to_node) < world:
         raise RayPlacementError(
             f"the placement group has {len(to_node)} bundles but {world} ranks need one each"
         )
-    driver = driver_node_id()
+    driver = ray.get_runtime_context().get_node_id()
     # The driver's node first (its ranks then read the broadcast through shared memory and
     # take ranks 0..n-1), then node by node; bundle order is kept within a node.
     first = sorted(range(len(to_node)), key=lambda b: (to_node[b] != driver, to_node[b]))[:world]
@@ -216,9 +213,10 @@ def _order_by_node(
         bundles=first,
         nodes=nodes,
         node_ips=[ips.get(n, "?") for n in nodes],
-        cpus=[cpus.get(b, 0.0) for b in first],
+        cpus=[float(held[b].get("CPU", 0.0)) for b in first],
+        gpus=[float(held[b].get("GPU", 0.0)) for b in first],
         driver_node=driver,
-        specs=specs if created else [table["bundles"][b] for b in first],
+        specs=specs if created else [held[b] for b in first],
     )
 
 
@@ -258,10 +256,6 @@ def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
 
-def is_actor_death(error: BaseException) -> bool:
-    return isinstance(error, ray.exceptions.RayActorError)
-
-
 def describe_death(error: BaseException) -> str:
     """Why an actor died, from Ray's error (which reads 'The actor is dead because ...')."""
     for line in str(error).splitlines():
@@ -278,6 +272,7 @@ class RemoteFailure:
     graph keeps running."""
 
     error: RemoteError
+    failed_at: float = field(default_factory=time.time)  # the earliest failure is the cause
 
 
 class RayWorkerWrapper:
@@ -286,7 +281,8 @@ class RayWorkerWrapper:
     Default concurrency group, one thread, calls in submission order: init_worker, call,
     execute_step, and for ray_v2 the long-running run(). The "watch" group has threads of its
     own, so it answers while the default group is busy: watch() returns only when the actor
-    exits (its ref fails the moment the actor dies) and info() reports where the rank runs.
+    exits (its ref fails the moment the actor dies), next_failure() when a step fails here,
+    and info() reports where the rank runs.
     """
 
     def __init__(self, config: EngineConfig, rank: int, threads: int, output_rank: int) -> None:
@@ -298,6 +294,8 @@ class RayWorkerWrapper:
         self.worker: Any = None
         self._store: Any = None  # rank 0 keeps the rendezvous store alive
         self._stop = threading.Event()
+        self._failed = threading.Event()
+        self._failure: RemoteFailure | None = None
         self._broadcast_handle: Handle | None = None
         self._replies: MessageQueue | None = None
         self._transport = "actor calls"
@@ -354,7 +352,12 @@ class RayWorkerWrapper:
             self.worker.execute_model(scheduler_output)
             output = self.worker.sample_tokens(grammar_output)
         except Exception as e:
-            return RemoteFailure(RemoteError.capture(self.rank, os.getpid(), e))
+            failure = RemoteFailure(RemoteError.capture(self.rank, os.getpid(), e))
+            # Peers may now wait for us in a collective for ever, and a compiled graph
+            # returns only once every rank has: report through the watch group too.
+            self._failure = failure
+            self._failed.set()
+            return failure
         return output if self.rank == self.output_rank else None
 
     # ---- ray_v2: the same busy loop as the mp backend, fed by the MessageQueue ----
@@ -396,6 +399,12 @@ class RayWorkerWrapper:
         self._stop.wait()
 
     @ray.method(concurrency_group="watch")
+    def next_failure(self) -> RemoteFailure | None:
+        """Returns once a model step has failed here (compiled graph: see the executor)."""
+        self._failed.wait()
+        return self._failure
+
+    @ray.method(concurrency_group="watch")
     def info(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
@@ -410,4 +419,4 @@ class RayWorkerWrapper:
 @functools.cache
 def remote_worker_class() -> Any:
     """RayWorkerWrapper as a Ray actor class (built once per process)."""
-    return ray.remote(concurrency_groups={"watch": 2})(RayWorkerWrapper)
+    return ray.remote(concurrency_groups={"watch": 3})(RayWorkerWrapper)

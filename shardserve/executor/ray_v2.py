@@ -43,6 +43,7 @@ class RayExecutorV2(Executor):
         self.broadcast: MessageQueue | None = None
         self.reply_queues: list[MessageQueue] = []
         self._reply_handles: list[Handle] = []
+        self._runs: list[Any] = []  # each actor's run() call: ends with its busy loop
         self.channel: RpcChannel | None = None
         self.group = RayWorkerGroup(self.config, self._on_worker_death)
         try:
@@ -141,7 +142,7 @@ class RayExecutorV2(Executor):
                     self.channel.broadcast.enqueue(RpcRequest(0, SHUTDOWN, (), {}), timeout=1.0)
                 except Exception as e:
                     logger.warning("could not ask the workers to exit (%s); killing them", e)
-            self.group.stop(grace_s, graceful=getattr(self, "_runs", []))
+            self.group.stop(grace_s, graceful=self._runs)
             for mq in [*self.reply_queues, self.broadcast]:
                 if mq is not None:
                     mq.close()

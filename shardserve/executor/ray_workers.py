@@ -79,8 +79,9 @@ class RayWorkerGroup:
     def _create_actor(self, rank: int) -> Any:
         p = self.placement
         assert p is not None
-        cpus = p.cpus[rank] or self.pc.ray_cpus_per_worker
-        threads = ray_utils.threads_for(cpus)
+        # The actor takes exactly what its bundle holds (a caller's group may hold no CPU).
+        cpus = p.cpus[rank]
+        threads = ray_utils.threads_for(cpus or self.pc.ray_cpus_per_worker)
         options: dict[str, Any] = dict(
             name=ray_utils.actor_name(self.instance_id, rank, self.pc),
             num_cpus=cpus,
@@ -90,8 +91,8 @@ class RayWorkerGroup:
             runtime_env={"env_vars": ray_utils.worker_env(threads)},
             max_restarts=0,  # a dead rank cannot rejoin the process group: fail instead
         )
-        if self.config.device_config.device == "cuda":
-            options["num_gpus"] = 1  # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU
+        if p.gpus[rank]:
+            options["num_gpus"] = p.gpus[rank]  # Ray sets CUDA_VISIBLE_DEVICES to its GPU
         output_rank = self.pc.world_size - self.pc.tensor_parallel_size
         return (
             ray_utils.remote_worker_class()
@@ -177,17 +178,21 @@ class RayWorkerGroup:
             return
         if grace_s > 0 and graceful:
             ray.wait(graceful, num_returns=len(graceful), timeout=grace_s)
+        self.kill_actors()
+        self.actors = []
+        ray_utils.remove_placement(self.placement)
+        self.placement = None
+        ray_utils.disconnect_ray(self.connection)
+        self.connection = None
+
+    def kill_actors(self) -> None:
+        """ray.kill every actor and wait until they are gone. Idempotent."""
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as e:
                 logger.warning("could not kill a worker actor: %s", e)
         self._wait_gone()
-        self.actors = []
-        ray_utils.remove_placement(self.placement)
-        self.placement = None
-        ray_utils.disconnect_ray(self.connection)
-        self.connection = None
 
     def _wait_gone(self) -> None:
         """Block until every killed actor has exited (so nothing is left when we return)."""

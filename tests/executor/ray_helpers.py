@@ -15,17 +15,20 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 # No token file in ~/.ray, no usage report; RAY_TMPDIR is set to the temporary directory.
-_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ""}
+_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 @contextlib.contextmanager
 def ray_env() -> Iterator[str]:
     """Ray's environment variables and a short temporary directory (unix sockets live in it,
     and their paths are limited to ~107 bytes)."""
-    saved = {k: os.environ.get(k) for k in _ENV}
+    saved = {k: os.environ.get(k) for k in (*_ENV, "RAY_TMPDIR", "PYTHONPATH")}
     tmp = tempfile.mkdtemp(prefix="/tmp/rt")
     os.makedirs(os.path.join(tmp, "ray"))  # RAY_TMPDIR/ray holds the current-cluster address
     os.environ.update(_ENV, RAY_TMPDIR=tmp)  # also where a Ray started by shardserve goes
+    # Ray's worker processes inherit this: they can import faulty_worker like mp's do.
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
     try:
         yield tmp
     finally:

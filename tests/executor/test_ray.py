@@ -112,7 +112,7 @@ def test_unsatisfiable_placement_group_fails_in_time(ray_cluster, tiny_llama_dir
     nothing_left(before)
 
 
-@pytest.mark.parametrize("path_id", ["ray-actor-calls", "ray_v2"])
+@pytest.mark.parametrize("path_id", list(PATHS))
 def test_ray_kill_of_a_worker_during_generate(ray_cluster, tiny_llama_dir, path_id):
     before = our_segments()
     llm = _llm(tiny_llama_dir, path_id)
@@ -140,4 +140,33 @@ def test_ray_kill_of_a_worker_during_generate(ray_cluster, tiny_llama_dir, path_
         assert calls == [1]
     finally:
         llm.shutdown()
+    nothing_left(before)
+
+
+@pytest.mark.parametrize("path_id", list(PATHS))
+def test_exception_on_a_non_output_rank(ray_cluster, tiny_llama_dir, path_id):
+    before = our_segments()
+    llm = _llm(tiny_llama_dir, path_id, worker_cls="faulty_worker.FaultyWorker")
+    try:
+        llm.collective_rpc("arm_fault", args=([1],))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected fault on rank 1") as err:
+            llm.generate(PROMPTS, LONG, use_tqdm=False)
+        elapsed = time.monotonic() - t0
+        print(f"non-output rank exception surfaced after {elapsed * 1000:.0f} ms")
+        assert elapsed < 5
+        assert "worker rank 1" in str(err.value)
+        cause = str(err.value.__cause__)
+        assert "Traceback" in cause and "execute_model" in cause
+    finally:
+        llm.shutdown()
+    nothing_left(before)
+
+
+def test_worker_failing_at_start_up_leaves_nothing(ray_cluster, tiny_llama_dir):
+    before = our_segments()
+    with pytest.raises(RuntimeError) as err:
+        _llm(tiny_llama_dir, "ray_v2", worker_cls="faulty_worker.BrokenWeightsWorker")
+    for word in ("rank 1", "FileNotFoundError", "rank1-weights.safetensors"):
+        assert word in str(err.value)
     nothing_left(before)
