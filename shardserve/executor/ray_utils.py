@@ -3,23 +3,18 @@
     connect_ray ──▶ place_ranks (placement group, bundles ordered driver node first)
                     ──▶ RayWorkerGroup (ray_workers.py): one RayWorkerWrapper actor per rank
 
-Only the Ray backends import this module; shardserve itself imports without Ray.
+The actor class, RayWorkerWrapper, lives in ray_wrapper.py and is re-exported here. Only the
+Ray backends import this module; shardserve itself imports without Ray.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
-import torch
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -29,13 +24,8 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from shardserve import envs
-from shardserve.config import EngineConfig, ParallelConfig
-from shardserve.engine.messages import GrammarOutput, SchedulerOutput
-from shardserve.executor.rpc import RemoteError
-from shardserve.ipc import Handle, MessageQueue
-from shardserve.worker.worker import run_method
-from shardserve.worker.worker_main import ATTACH_TIMEOUT_S, run_busy_loop
+from shardserve.config import ParallelConfig
+from shardserve.executor.ray_wrapper import RayWorkerWrapper, RemoteFailure, remote_worker_class
 
 logger = logging.getLogger(__name__)
 
@@ -264,159 +254,21 @@ def describe_death(error: BaseException) -> str:
     return type(error).__name__
 
 
-# ---- the actor --------------------------------------------------------------------------------
-@dataclass
-class RemoteFailure:
-    """Returned (not raised) by an actor method whose worker call failed: the executor rebuilds
-    the exception with rank, pid and remote traceback, as the mp backend does, and a compiled
-    graph keeps running."""
-
-    error: RemoteError
-    failed_at: float = field(default_factory=time.time)  # the earliest failure is the cause
-
-
-class RayWorkerWrapper:
-    """Hosts one rank's Worker (the class every backend runs) inside a Ray actor.
-
-    Default concurrency group, one thread, calls in submission order: init_worker, call,
-    execute_step, and for ray_v2 the long-running run(). The "watch" group has threads of its
-    own, so it answers while the default group is busy: watch() returns only when the actor
-    exits (its ref fails the moment the actor dies), next_failure() when a step fails here,
-    and info() reports where the rank runs.
-    """
-
-    def __init__(self, config: EngineConfig, rank: int, threads: int, output_rank: int) -> None:
-        self.config = config
-        self.rank = rank
-        self.threads = threads
-        self.output_rank = output_rank
-        self.label = f"Worker_TP{rank}"
-        self.worker: Any = None
-        self._store: Any = None  # rank 0 keeps the rendezvous store alive
-        self._stop = threading.Event()
-        self._failed = threading.Event()
-        self._failure: RemoteFailure | None = None
-        self._broadcast_handle: Handle | None = None
-        self._replies: MessageQueue | None = None
-        self._transport = "actor calls"
-        logging.basicConfig(
-            level=envs.log_level(),
-            format=f"({self.label}) %(levelname)s %(name)s: %(message)s",
-            force=True,
-        )
-
-    def create_rendezvous(self) -> str:
-        """Rank 0: bind the torch.distributed store on this node (port chosen by the OS, so no
-        other process can take it in between) and return its tcp:// address."""
-        from torch.distributed import TCPStore
-
-        ip = ray.util.get_node_ip_address()
-        self._store = TCPStore(ip, 0, None, True, wait_for_workers=False, multi_tenant=True)
-        return f"tcp://{ip}:{self._store.port}"
-
-    def init_worker(
-        self, local_rank: int, local_world_size: int, init_method: str | None, worker_cls: str
-    ) -> None:
-        module, _, name = worker_cls.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        self.worker = cls(
-            self.config,
-            rank=self.rank,
-            local_rank=local_rank,
-            distributed_init_method=init_method,
-            local_world_size=local_world_size,
-        )
-        self.worker.init_device()
-        self._set_threads()
-        self.worker.load_model()
-
-    def _set_threads(self) -> None:
-        # torch's intra-op setting is per OS thread (OpenMP); the compiled graph calls us from
-        # a thread of its own, so every entry point re-applies it (cheap when unchanged).
-        wanted = envs.num_threads() or self.threads
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
-
-    def call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        try:
-            return run_method(self.worker, method, args, kwargs)
-        except Exception as e:
-            return RemoteFailure(RemoteError.capture(self.rank, os.getpid(), e))
-
-    def execute_step(self, inputs: tuple[SchedulerOutput, GrammarOutput | None]) -> Any:
-        """One model step (execute_model then sample_tokens): one call or graph node per rank.
-        Only the output rank returns its ModelRunnerOutput; the others return None."""
-        self._set_threads()
-        scheduler_output, grammar_output = inputs
-        try:
-            self.worker.execute_model(scheduler_output)
-            output = self.worker.sample_tokens(grammar_output)
-        except Exception as e:
-            failure = RemoteFailure(RemoteError.capture(self.rank, os.getpid(), e))
-            # Peers may now wait for us in a collective for ever, and a compiled graph
-            # returns only once every rank has: report through the watch group too.
-            self._failure = failure
-            self._failed.set()
-            return failure
-        return output if self.rank == self.output_rank else None
-
-    # ---- ray_v2: the same busy loop as the mp backend, fed by the MessageQueue ----
-    def open_reply_queue(self, broadcast: Handle, on_driver_node: bool) -> Handle:
-        """Create this rank's reply queue: shared memory when the driver shares our node, TCP
-        otherwise. Attaching to the broadcast waits for run() (see RayExecutorV2)."""
-        self._broadcast_handle = broadcast
-        self._replies = MessageQueue(
-            1,
-            1 if on_driver_node else 0,
-            connect_ip=ray.util.get_node_ip_address(),
-            name=f"{self.label}-reply",
-        )
-        return self._replies.export_handle()
-
-    def run(self) -> None:
-        """Serve RpcRequests until shutdown; the executor watches this call's ref for death."""
-        assert self._broadcast_handle is not None and self._replies is not None
-        handle, broadcast = self._broadcast_handle, None
-        local = self.rank < handle.n_local_reader
-        self._transport = "shared memory" if local else "tcp"
-        try:
-            broadcast = MessageQueue.create_from_handle(
-                handle, self.rank, name=f"{self.label}-bcast"
-            )
-            broadcast.wait_until_ready(timeout=ATTACH_TIMEOUT_S)
-            self._replies.wait_until_ready(timeout=ATTACH_TIMEOUT_S)
-            run_busy_loop(self.worker, self.rank, broadcast, self._replies)
-        finally:
-            for mq in (broadcast, self._replies):
-                if mq is not None:
-                    mq.close()
-            if self.worker is not None:
-                self.worker.shutdown()
-
-    # ---- the "watch" group ----
-    @ray.method(concurrency_group="watch")
-    def watch(self) -> None:
-        self._stop.wait()
-
-    @ray.method(concurrency_group="watch")
-    def next_failure(self) -> RemoteFailure | None:
-        """Returns once a model step has failed here (compiled graph: see the executor)."""
-        self._failed.wait()
-        return self._failure
-
-    @ray.method(concurrency_group="watch")
-    def info(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "broadcast": self._transport,
-            "torch_threads": torch.get_num_threads(),
-        }
-
-
-@functools.cache
-def remote_worker_class() -> Any:
-    """RayWorkerWrapper as a Ray actor class (built once per process)."""
-    return ray.remote(concurrency_groups={"watch": 3})(RayWorkerWrapper)
+__all__ = [
+    "Placement",
+    "RayConnection",
+    "RayPlacementError",
+    "RayWorkerWrapper",
+    "RemoteFailure",
+    "actor_name",
+    "bundle_specs",
+    "connect_ray",
+    "describe_death",
+    "describe_unplaceable",
+    "disconnect_ray",
+    "place_ranks",
+    "remote_worker_class",
+    "remove_placement",
+    "threads_for",
+    "worker_env",
+]

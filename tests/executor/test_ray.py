@@ -170,3 +170,25 @@ def test_worker_failing_at_start_up_leaves_nothing(ray_cluster, tiny_llama_dir):
     for word in ("rank 1", "FileNotFoundError", "rank1-weights.safetensors"):
         assert word in str(err.value)
     nothing_left(before)
+
+
+def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from shardserve.config import ParallelConfig
+    from shardserve.executor import ray_utils
+
+    group = placement_group([{"CPU": 1}] * 2, name="callers-group")
+    try:
+        pc = ParallelConfig(
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            ray_placement_group="callers-group",
+        )
+        placement = ray_utils.place_ranks(pc, "cpu")
+        assert placement.group.id == group.id and not placement.created_here
+        assert placement.bundles == [0, 1] and placement.cpus == [1.0, 1.0]
+        ray_utils.remove_placement(placement)  # not ours: kept
+        assert ray.util.placement_group_table(group)["state"] == "CREATED"
+    finally:
+        remove_placement_group(group)
