@@ -200,7 +200,9 @@ class RpcChannel:
             # An error of this call, or of an earlier one that completed without it (a
             # non-output rank failing after the output rank answered): surface it now.
             error = reply.error.to_exception(call.method)
-            dead = self._hooks.find_dead_worker(0.5)
+            # A dying peer closes its sockets as it exits, so when an error is a broken
+            # collective its cause shows up within milliseconds: a short look suffices.
+            dead = self._hooks.find_dead_worker(0.2)
             if dead is not None:  # e.g. a collective broken by a peer's death: name the cause
                 raise EngineDeadError(self._hooks.death_reason() or dead) from error
             raise error

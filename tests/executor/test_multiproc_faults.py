@@ -155,17 +155,27 @@ def test_sigkill_of_the_engine_process_takes_its_workers(tiny_llama_dir, tmp_pat
 def test_sigint_during_cli_generate_ends_the_process_tree(tiny_llama_dir):
     cmd = [sys.executable, "-m", "shardserve", "generate", "--model", str(tiny_llama_dir),
            "--tensor-parallel-size", "2", "--max-model-len", "256", "--max-tokens", "200",
-           "--ignore-eos", *["The quick brown fox"] * 16]  # fmt: skip
+           "--ignore-eos", *["The quick brown fox"] * 64]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    generating = threading.Event()
+
+    def read_stderr() -> None:
+        for line in iter(lambda: proc.stderr.read(64), ""):
+            stderr.append(line)
+            if "Generating" in "".join(stderr[-3:]):
+                generating.set()
+
+    threading.Thread(target=read_stderr, daemon=True).start()
     try:
-        deadline = time.monotonic() + 60
-        workers: list[psutil.Process] = []
-        while len(workers) < 2 and time.monotonic() < deadline:
-            children = psutil.Process(proc.pid).children(recursive=True)
-            workers = [c for c in children if "Worker_TP" in " ".join(c.cmdline())]
-            time.sleep(0.1)
+        assert generating.wait(timeout=90), "".join(stderr)[-2000:]
+        workers = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if "Worker_TP" in " ".join(c.cmdline())
+        ]
         assert len(workers) == 2
-        time.sleep(2.0)  # into generate
+        time.sleep(0.5)  # into generate
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         proc.wait(timeout=10)
@@ -173,7 +183,7 @@ def test_sigint_during_cli_generate_ends_the_process_tree(tiny_llama_dir):
         elapsed = time.monotonic() - t0
         print(f"process tree gone {elapsed:.2f} s after SIGINT")
         assert gone is not None and elapsed < 5
-        assert proc.returncode == 130
+        assert proc.returncode == 130, "".join(stderr)[-2000:]
     finally:
         proc.kill()
 
