@@ -43,7 +43,9 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.shm_before = shm_segments()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         self._wait_healthy(start_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -120,3 +122,13 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _die_with_parent() -> None:
+    """Runs in the server child before exec: SIGTERM it if pytest dies (even by a crash), so a
+    crashed test session cannot leave a server behind."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
