@@ -72,6 +72,8 @@ class Executor(ABC):
         self.parallel_config = config.parallel_config
         self.is_failed = False
         self._failure_callback: FailureCallback | None = None
+        self._death: str | None = None  # why the executor failed, once it has
+        self._shut_down = False
         self._init_executor()
 
     # ---- what a backend implements ----
@@ -151,6 +153,23 @@ class Executor(ABC):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
         self.collective_rpc("compile_or_warm_up_model")
+
+    def _mark_failed(self, reason: str) -> None:
+        """Record the first failure (not after shutdown), log it, run the callback once."""
+        if self._shut_down or self._death is not None:
+            return
+        self._death = reason
+        logger.error("%s; the engine cannot continue", reason)
+        self.is_failed = True
+        callback, self._failure_callback = self._failure_callback, None
+        if callback is not None:
+            callback()
+
+    def _raise_if_dead(self) -> None:
+        if self._death is not None:
+            raise EngineDeadError(self._death)
+        if self._shut_down:
+            raise EngineDeadError("the executor has been shut down")
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Run `callback` once when the executor fails (at once if it already has)."""

@@ -44,8 +44,6 @@ class MultiprocExecutor(Executor):
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
         self.channel: RpcChannel | None = None
-        self._death: str | None = None
-        self._shut_down = False
         self.workers: list[WorkerHandle] = []
         self.reply_queues: list[MessageQueue] = []
         self.monitor: WorkerMonitor | None = None
@@ -87,23 +85,10 @@ class MultiprocExecutor(Executor):
 
     # ---- failure ----
     def _on_worker_death(self, handle: WorkerHandle) -> None:
-        if self._shut_down:
-            return
-        self._death = (
+        self._mark_failed(
             f"worker rank {handle.rank} (pid {handle.pid}) died unexpectedly "
             f"({handle.describe_exit()})"
         )
-        logger.error("%s; the engine cannot continue", self._death)
-        self.is_failed = True
-        callback, self._failure_callback = self._failure_callback, None
-        if callback is not None:
-            callback()
-
-    def _raise_if_dead(self) -> None:
-        if self._death is not None:
-            raise EngineDeadError(self._death)
-        if self._shut_down:
-            raise EngineDeadError("the executor has been shut down")
 
     # ---- RPC ----
     def collective_rpc(

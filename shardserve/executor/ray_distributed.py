@@ -74,8 +74,6 @@ class RayDistributedExecutor(Executor):
         pc = self.parallel_config
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
-        self._shut_down = False
-        self._death: str | None = None
         self._stashed: SchedulerOutput | None = None
         self._graph: Any = None
         self._step_failed = False  # since then a rank may be stuck in a collective
@@ -96,22 +94,7 @@ class RayDistributedExecutor(Executor):
 
     # ---- failure ----
     def _on_worker_death(self, rank: int, reason: str) -> None:
-        if not self._shut_down and self._death is None:
-            self._mark_failed(self.group.describe(rank, reason))
-
-    def _mark_failed(self, death: str) -> None:
-        self._death = death
-        logger.error("%s; the engine cannot continue", death)
-        self.is_failed = True
-        callback, self._failure_callback = self._failure_callback, None
-        if callback is not None:
-            callback()
-
-    def _raise_if_dead(self) -> None:
-        if self._death is not None:
-            raise EngineDeadError(self._death)
-        if self._shut_down:
-            raise EngineDeadError("the executor has been shut down")
+        self._mark_failed(self.group.describe(rank, reason))
 
     def _death_cause(self, wait_s: float) -> str | None:
         """The recorded death, or one Ray reports within wait_s (recorded now)."""

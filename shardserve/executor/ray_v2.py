@@ -38,8 +38,6 @@ class RayExecutorV2(Executor):
         pc = self.parallel_config
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
-        self._shut_down = False
-        self._death: str | None = None
         self.broadcast: MessageQueue | None = None
         self.reply_queues: list[MessageQueue] = []
         self._reply_handles: list[Handle] = []
@@ -92,20 +90,7 @@ class RayExecutorV2(Executor):
 
     # ---- failure ----
     def _on_worker_death(self, rank: int, reason: str) -> None:
-        if self._shut_down or self._death is not None:
-            return
-        self._death = self.group.describe(rank, reason)
-        logger.error("%s; the engine cannot continue", self._death)
-        self.is_failed = True
-        callback, self._failure_callback = self._failure_callback, None
-        if callback is not None:
-            callback()
-
-    def _raise_if_dead(self) -> None:
-        if self._death is not None:
-            raise EngineDeadError(self._death)
-        if self._shut_down:
-            raise EngineDeadError("the executor has been shut down")
+        self._mark_failed(self.group.describe(rank, reason))
 
     def _find_dead(self, wait_s: float) -> str | None:
         if self._death is None:

@@ -15,7 +15,6 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.config, rank=0, local_rank=0)
         self.worker.init_device()
         self.worker.load_model()
-        self._shut_down = False
 
     def collective_rpc(
         self,
@@ -38,6 +37,6 @@ class UniProcExecutor(Executor):
         return future if non_block else future.result()
 
     def shutdown(self) -> None:
-        if not getattr(self, "_shut_down", True):
+        if not self._shut_down:
             self._shut_down = True
             self.worker.shutdown()
