@@ -77,3 +77,9 @@ def ipc_oob_threshold() -> int:
 def host_ip() -> str | None:
     """SHARDSERVE_HOST_IP: address remote readers connect to when `connect_ip` is not given."""
     return os.environ.get("SHARDSERVE_HOST_IP") or None
+
+
+def shm_allreduce() -> bool:
+    """SHARDSERVE_SHM_ALLREDUCE: CPU tensor-parallel ranks on one machine sum through shared
+    memory instead of gloo (default on; 0 to compare against gloo)."""
+    return _get_bool("SHARDSERVE_SHM_ALLREDUCE", True)

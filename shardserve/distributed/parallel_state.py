@@ -12,6 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardserve import envs
+from shardserve.distributed.shm_allreduce import ShmAllReduce
+
 
 class GroupCoordinator:
     """A tensor-parallel group: this rank's index and the collectives the layers need."""
@@ -20,9 +23,12 @@ class GroupCoordinator:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.shm: ShmAllReduce | None = None  # CPU ranks sharing a machine
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
+            return tensor
+        if self.shm is not None and self.shm.all_reduce(tensor):
             return tensor
         dist.all_reduce(tensor, group=self.group)
         return tensor
@@ -69,11 +75,38 @@ def init_distributed(
             timeout=timedelta(seconds=timeout_s),
         )
     _TP_GROUP = GroupCoordinator(rank, world_size, dist.group.WORLD if world_size > 1 else None)
+    if world_size > 1 and backend == "gloo" and envs.shm_allreduce():
+        _TP_GROUP.shm = _attach_shm_allreduce(rank, world_size)
     return _TP_GROUP
+
+
+def _attach_shm_allreduce(rank: int, world_size: int) -> ShmAllReduce | None:
+    """Map one segment on every rank; use it only if every rank could (same machine)."""
+    names = [ShmAllReduce.new_name() if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    shm = None
+    try:
+        if rank == 0:
+            shm = ShmAllReduce(rank, world_size, names[0], create=True)
+        dist.barrier()  # created before anyone attaches
+        if rank != 0:
+            shm = ShmAllReduce(rank, world_size, names[0], create=False)
+    except OSError:
+        shm = None
+    ok = torch.tensor([1 if shm is not None else 0])
+    dist.all_reduce(ok)  # gloo: every rank learns whether all ranks mapped it
+    if rank == 0 and shm is not None:
+        shm.unlink()  # every rank has mapped it (or given up): nothing left to leak
+    if int(ok) != world_size and shm is not None:
+        shm.close()
+        shm = None
+    return shm
 
 
 def destroy_distributed() -> None:
     global _TP_GROUP
+    if _TP_GROUP.shm is not None:
+        _TP_GROUP.shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = GroupCoordinator()
