@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from fault_helpers import generate_until_dead
 
 from shardserve import LLM, EngineDeadError, SamplingParams
 
@@ -46,7 +47,7 @@ def test_sigkill_of_a_worker_during_generate(tiny_llama_dir):
     threading.Thread(target=kill_soon).start()
     try:
         with pytest.raises(EngineDeadError) as err:
-            llm.generate(PROMPTS * 4, LONG, use_tqdm=False)
+            generate_until_dead(llm, PROMPTS * 4, LONG)
         detected = time.monotonic() - killed_at[0]
         print(f"SIGKILL detected after {detected * 1000:.0f} ms")
         assert detected < 5

@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from fault_helpers import generate_until_dead  # noqa: E402
 from ray_helpers import nothing_left, our_segments, ray_session  # noqa: E402
 
 from shardserve import LLM, EngineDeadError, SamplingParams  # noqa: E402
@@ -130,7 +131,7 @@ def test_ray_kill_of_a_worker_during_generate(ray_cluster, tiny_llama_dir, path_
     threading.Thread(target=kill_soon).start()
     try:
         with pytest.raises(EngineDeadError) as err:
-            llm.generate(PROMPTS * 4, LONG, use_tqdm=False)
+            generate_until_dead(llm, PROMPTS * 4, LONG)
         detected = time.monotonic() - killed_at[0]
         print(f"ray.kill detected after {detected * 1000:.0f} ms: {err.value}")
         assert detected < 2
