@@ -71,12 +71,14 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN-prepacked copy of a bf16 CPU weight, or None where that does not apply.
+    """oneDNN-prepacked copy of a bf16/fp32 CPU weight, or None where that does not apply.
 
-    Measured: prepacked bf16 matmuls run ~1.7x faster than `F.linear` for batch-1 decode
-    (and no slower for large batches); results are identical.
+    Measured on this project's 2-core AVX-512 CPU: prepacked bf16 matmuls run ~1.7x faster than
+    `F.linear` for batch-1 decode (identical results); prepacked fp32 runs 1.6-2x faster than MKL's
+    sgemm for batches of 2-128 rows (and 2-4x for 2-16 rows, where sgemm's small-M path is slow),
+    on par at 1 row; results differ from sgemm only by summation order (~1e-6 relative).
     """
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
         return None
     if not torch.backends.mkldnn.is_available():
         return None
