@@ -16,9 +16,14 @@ the per-layer work is a fixed handful of tensor ops with no Python loop over req
 Grouped-query attention without copying KV: the G = H / Hkv query heads sharing a KV head are
 folded into the query-length dim, giving q [B, Hkv, G*Q, D] against k/v [B, Hkv, L, D].
 
-Padding invariant: every padded gather index points at a real, already-written slot of the same
-request (the cache may be torch.empty garbage, and 0 * NaN = NaN even under a mask), and every
-padded query row can see at least key 0, so no softmax row is fully masked.
+Contexts are gathered by whole blocks (one `index_select` row = block_size slots), which moves
+the same bytes 1.3-2x faster than gathering slot by slot; a group's context is padded to whole
+blocks and the tail is masked.
+
+Padding invariants: the cache is zero-initialised, so every gathered value is finite (a masked key
+still meets its query in q.k, and 0 * NaN = NaN even under a mask); padded block-table entries
+point at block 0, which is real memory; every padded query row can see at least key 0, so no
+softmax row is fully masked.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ class _Group:
     """One padded attention group (decodes or prefills) of B requests."""
 
     query_index: torch.Tensor | None  # int64 [B*Q] rows of the flat batch (None: all, in order)
-    slots: torch.Tensor  # int64 [B*L] cache slots of each request's context (padded)
-    mask: torch.Tensor | None  # bool [B, 1, Q, L] (True = attend); None when nothing is masked
+    blocks: torch.Tensor  # int64 [B*W] cache blocks of each request's context (padded with 0)
+    mask: torch.Tensor | None  # bool [B, 1, Q, L=W*block_size] (True = attend); None: no mask
     num_reqs: int
     max_query: int
     max_context: int
     causal_fresh: bool = False  # one request, no cached prefix: plain causal over its own K/V
-    # The mask with each query row repeated G times, built by the first layer and reused.
+    # Additive mask with each query row repeated G times, built by the first layer and reused.
     _gqa_mask: torch.Tensor | None = None
 
 
@@ -115,12 +120,9 @@ def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
 
 
 def _slots(block_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of `positions` ([N] or [B, L]) given each row's block table ([N|B, W])."""
-    squeeze = positions.dim() == 1
-    pos = positions.unsqueeze(-1) if squeeze else positions
-    blocks = torch.gather(block_rows, 1, pos // block_size)
-    out = blocks * block_size + pos % block_size
-    return out.squeeze(-1) if squeeze else out
+    """Cache slots of `positions` [N] given each position's block table row [N, W]."""
+    blocks = torch.gather(block_rows, 1, (positions // block_size).unsqueeze(-1)).squeeze(-1)
+    return blocks * block_size + positions % block_size
 
 
 def _build_group(
@@ -133,11 +135,11 @@ def _build_group(
 ) -> _Group:
     idx = torch.tensor(reqs, dtype=torch.int64)
     ql, sl, st = q[idx], s[idx], starts[idx]
-    max_q, max_l = int(ql.max()), int(sl.max())
-    # Context positions 0..max_l-1; padding positions fall back to position 0 (a real slot).
+    max_q = int(ql.max())
+    width = -(-int(sl.max()) // block_size)  # blocks of the longest context
+    max_l = width * block_size
     kpos = torch.arange(max_l).expand(len(reqs), max_l)
     key_valid = kpos < sl[:, None]
-    slots = _slots(bt[idx], torch.where(key_valid, kpos, 0), block_size)
     # Query j of request r sits at flat row st+j and position (sl-ql)+j; padded query rows
     # repeat the request's last real query (their output is discarded).
     qj = torch.minimum(torch.arange(max_q).expand(len(reqs), max_q), (ql - 1)[:, None])
@@ -153,7 +155,7 @@ def _build_group(
     )
     return _Group(
         query_index=None if identity else query_index,
-        slots=slots.reshape(-1),
+        blocks=bt[idx, :width].reshape(-1),
         mask=mask_out,
         num_reqs=len(reqs),
         max_query=max_q,
@@ -181,7 +183,7 @@ def _output_index(
 def _group_to(group: _Group | None, device: torch.device) -> _Group | None:
     if group is None or device.type == "cpu":
         return group
-    for name in ("query_index", "slots", "mask"):
+    for name in ("query_index", "blocks", "mask"):
         t = getattr(group, name)
         if t is not None:
             setattr(group, name, t.to(device))
@@ -204,9 +206,13 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    """One [num_blocks, block_size, 2, num_kv_heads, head_dim] tensor per layer (uninitialised)."""
+    """One [num_blocks, block_size, 2, num_kv_heads, head_dim] tensor per layer, zeroed.
+
+    Zeroed, not empty: whole-block gathers read slots no request has written yet (masked, but
+    they must be finite, see the module docstring).
+    """
     shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
-    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def paged_attention(
@@ -220,9 +226,9 @@ def paged_attention(
     flat_cache.index_copy_(0, meta.slot_mapping, kv)
     outs = []
     if meta.decode is not None:
-        outs.append(_attend_group(q, kv, flat_cache, meta.decode))
+        outs.append(_attend_group(q, kv, kv_cache, meta.decode))
     if meta.prefill is not None:
-        outs.append(_attend_group(q, kv, flat_cache, meta.prefill))
+        outs.append(_attend_group(q, kv, kv_cache, meta.prefill))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     if meta.output_index is not None:
         out = out.index_select(0, meta.output_index)
@@ -230,11 +236,11 @@ def paged_attention(
 
 
 def _attend_group(
-    q: torch.Tensor, kv: torch.Tensor, flat_cache: torch.Tensor, g: _Group
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, g: _Group
 ) -> torch.Tensor:
     """Attention for one group; returns [B * Q, H * D] (padded query rows included)."""
     _, num_heads, head_dim = q.shape
-    num_kv = flat_cache.shape[2]
+    num_kv = kv_cache.shape[3]
     group = num_heads // num_kv
     if g.query_index is not None:
         q = q.index_select(0, g.query_index)
@@ -245,20 +251,27 @@ def _attend_group(
     b, nq = g.num_reqs, g.max_query
     # [B*Q, H, D] -> [B, Hkv, Q*G, D]: the G heads sharing a KV head become extra query rows.
     qg = q.view(b, nq, num_kv, group, head_dim).transpose(1, 2).reshape(b, num_kv, nq * group, -1)
-    ctx = flat_cache.index_select(0, g.slots).view(b, g.max_context, 2, num_kv, head_dim)
+    ctx = kv_cache.index_select(0, g.blocks).view(b, g.max_context, 2, num_kv, head_dim)
     k = ctx[:, :, 0].transpose(1, 2)
     v = ctx[:, :, 1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_gqa_mask(g, group))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_gqa_mask(g, group, qg.dtype))
     # [B, Hkv, Q*G, D] -> [B*Q, H*D] with head index kv*G + g.
     out = out.view(b, num_kv, nq, group, head_dim).transpose(1, 2)
     return out.reshape(b * nq, num_heads * head_dim)
 
 
-def _gqa_mask(g: _Group, group: int) -> torch.Tensor | None:
-    if g.mask is None or group == 1:
-        return g.mask
-    if g._gqa_mask is None:
-        g._gqa_mask = g.mask.repeat_interleave(group, dim=2)  # query row order is (q, g)
+def _gqa_mask(g: _Group, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The group's mask as an additive float mask (0 / -inf), each query row repeated G times.
+
+    Built by the first layer and reused by the others: SDPA would otherwise convert a bool mask
+    to a float one in every layer.
+    """
+    if g.mask is None:
+        return None
+    if g._gqa_mask is None or g._gqa_mask.dtype != dtype:
+        mask = g.mask if group == 1 else g.mask.repeat_interleave(group, dim=2)  # rows (q, g)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        g._gqa_mask = additive.masked_fill_(~mask, float("-inf"))
     return g._gqa_mask
 
 

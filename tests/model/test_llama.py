@@ -113,7 +113,9 @@ class PagedRunner:
             model.head_dim, model.dtype,
         )  # fmt: skip
         for cache in self.caches:
-            cache.fill_(float("nan"))  # stands in for torch.empty garbage
+            # Stands in for stale K/V of freed blocks: large, finite, and read (masked) by the
+            # whole-block gathers; exact results prove the mask hides it.
+            cache.uniform_(-1e3, 1e3, generator=torch.Generator().manual_seed(3))
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist()
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
