@@ -1,6 +1,6 @@
 """Per-step cost of each executor backend on decode, in one run.
 
-    python bench/executor_overhead.py [--steps 32] [--batches 1,32] [--dtype auto]
+    python bench/executor_overhead.py [--steps 32] [--rounds 5] [--batches 1,32] [--dtype auto]
 
 Rows: uni, mp TP=1 (default model), and mp TP=2 on a random-weight model of the default model's
 size whose heads divide by 2 (8 heads of 72 instead of 9 of 64). Decode step latency is isolated
@@ -8,6 +8,8 @@ as (time of 1 + N tokens - time of 1 token) / N; the mp overhead is reported aga
 microseconds and percent, and TP=2 as a ratio of TP=1 tokens/s. Also the bare round trip of
 collective_rpc (a no-op method on every rank). With the [ray] extra installed: ray (actor
 calls), ray (compiled graph) and ray_v2 rows, each compared with the matching mp row.
+Each figure is the median of --rounds samples; the uni and mp engines stay up together and are
+sampled in turn, so the machine's drift hits every row alike.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def build_tp2_model(folder: Path) -> Path:
     return folder
 
 
-def step_latency(llm: LLM, batch: int, steps: int) -> float:
-    """Seconds per decode step at this batch size (median of 3)."""
+def decode_sample(llm: LLM, batch: int, steps: int) -> float:
+    """Seconds per decode step at this batch size, from one (1 + steps) and one 1-token run."""
     prompts = [f"{PROMPT} ({i})" for i in range(batch)]
 
     def run(n: int) -> float:
@@ -54,9 +56,7 @@ def step_latency(llm: LLM, batch: int, steps: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    run(2)  # warm-up
-    samples = [(run(1 + steps) - run(1)) / steps for _ in range(3)]
-    return statistics.median(samples)
+    return (run(1 + steps) - run(1)) / steps
 
 
 def rpc_round_trip(llm: LLM, n: int = 300) -> float:
@@ -69,42 +69,72 @@ def rpc_round_trip(llm: LLM, n: int = 300) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def measure(label: str, model: str | None, batches: list[int], steps: int, **kwargs) -> dict:
-    llm = LLM(model, max_model_len=1024, **kwargs)
+def measure_interleaved(
+    specs: list[tuple[str, str | None, dict]],
+    batches: list[int],
+    steps: int,
+    rounds: int,
+    **common,
+) -> list[dict]:
+    """All engines stay up and are sampled in turn, round after round; each row is the median.
+
+    On a shared 2-core VM the speed drifts by 10% over minutes, so measuring engines one after
+    another compared drift, not backends; interleaving puts every engine under the same drift.
+    """
+    engines = []
     try:
-        row = {"label": label, "rpc": rpc_round_trip(llm)}
-        for b in batches:
-            row[b] = step_latency(llm, b, steps)
-        return row
+        for label, model, kwargs in specs:
+            llm = LLM(model, max_model_len=1024, kv_cache_memory_bytes=256 << 20, **common,
+                      **kwargs)  # fmt: skip
+            engines.append((label, llm))
+            for b in batches:
+                decode_sample(llm, b, 2)  # warm-up
+        samples = {(label, b): [] for label, _ in engines for b in batches}
+        for _ in range(rounds):
+            for label, llm in engines:
+                for b in batches:
+                    samples[label, b].append(decode_sample(llm, b, steps))
+        rows = []
+        for label, llm in engines:
+            row = {"label": label, "rpc": rpc_round_trip(llm)}
+            row.update({b: statistics.median(samples[label, b]) for b in batches})
+            rows.append(row)
+        return rows
     finally:
-        llm.shutdown()
+        for _, llm in engines:
+            llm.shutdown()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    common = dict(dtype=args.dtype, batches=batches, steps=args.steps)
+    run = dict(batches=batches, steps=args.steps, rounds=args.rounds, dtype=args.dtype)
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as tmp:
         tp2_model = str(build_tp2_model(Path(tmp)))
-        rows = [
-            measure("uni", None, distributed_executor_backend="uni", **common),
-            measure("mp TP=1", None, distributed_executor_backend="mp", **common),
-            measure("uni (8-head model)", tp2_model, distributed_executor_backend="uni", **common),
-            measure("mp TP=1 (8-head)", tp2_model, distributed_executor_backend="mp", **common),
-            measure("mp TP=2 (8-head)", tp2_model, distributed_executor_backend="mp",
-                    tensor_parallel_size=2, **common),
-        ]  # fmt: skip
-        rows += ray_rows(tp2_model, common)
+        rows = measure_interleaved(
+            [
+                ("uni", None, dict(distributed_executor_backend="uni")),
+                ("mp TP=1", None, dict(distributed_executor_backend="mp")),
+                ("uni (8-head model)", tp2_model, dict(distributed_executor_backend="uni")),
+                ("mp TP=1 (8-head)", tp2_model, dict(distributed_executor_backend="mp")),
+                ("mp TP=2 (8-head)", tp2_model,
+                 dict(distributed_executor_backend="mp", tensor_parallel_size=2)),
+            ],
+            **run,
+        )  # fmt: skip
+        rows += ray_rows(tp2_model, run)
     report(rows, batches)
 
 
-def ray_rows(tp2_model: str, common: dict) -> list[dict]:
+def ray_rows(tp2_model: str, run: dict) -> list[dict]:
     """The Ray backends beside mp (skipped without the [ray] extra): TP=1 on the default model
-    against `mp TP=1`, and ray_v2 TP=2 against `mp TP=2 (8-head)`."""
+    against `mp TP=1`, and ray_v2 TP=2 against `mp TP=2 (8-head)`. One engine at a time: idle
+    compiled-graph readers poll and would slow whatever runs beside them."""
     if importlib.util.find_spec("ray") is None:
         print("ray is not installed (pip install -e '.[ray]'): no ray rows")
         return []
@@ -113,18 +143,20 @@ def ray_rows(tp2_model: str, common: dict) -> list[dict]:
     # A Ray rank runs as many torch threads as its bundle has CPUs; reserve what an mp worker
     # would use (all cores at TP=1, half each at TP=2) so the rows compare the executors.
     cores = len(os.sched_getaffinity(0))
-    tp1 = dict(ray_cpus_per_worker=cores, **common)
+    tp1 = dict(ray_cpus_per_worker=cores)
+    specs = [
+        ("ray TP=1 (actors)", None,
+         dict(distributed_executor_backend="ray", ray_use_compiled_graph=False, **tp1)),
+        ("ray TP=1 (graph)", None,
+         dict(distributed_executor_backend="ray", ray_use_compiled_graph=True, **tp1)),
+        ("ray_v2 TP=1", None, dict(distributed_executor_backend="ray_v2", **tp1)),
+        ("ray_v2 TP=2 (8-head)", tp2_model,
+         dict(distributed_executor_backend="ray_v2", tensor_parallel_size=2,
+              ray_cpus_per_worker=max(1, cores // 2))),
+    ]  # fmt: skip
     ray.init(num_cpus=cores, include_dashboard=False)
     try:
-        return [
-            measure("ray TP=1 (actors)", None, distributed_executor_backend="ray",
-                    ray_use_compiled_graph=False, **tp1),
-            measure("ray TP=1 (graph)", None, distributed_executor_backend="ray",
-                    ray_use_compiled_graph=True, **tp1),
-            measure("ray_v2 TP=1", None, distributed_executor_backend="ray_v2", **tp1),
-            measure("ray_v2 TP=2 (8-head)", tp2_model, distributed_executor_backend="ray_v2",
-                    tensor_parallel_size=2, ray_cpus_per_worker=max(1, cores // 2), **common),
-        ]  # fmt: skip
+        return [row for spec in specs for row in measure_interleaved([spec], **run)]
     finally:
         ray.shutdown()
 
