@@ -4,6 +4,8 @@
     python bench/serve.py [--num-clients 32] [--num-requests 64] [--max-tokens 64]
                           [--dtype auto] [--repeats 2] [--time-limit-s 150]
 
+Offline runs twice: all prompts at once, and at most --num-clients at a time (the server's
+width), so the report separates the batch-size effect from the front end's cost.
 Loopback only; bounded in requests and time (the server phase is cancelled at --time-limit-s).
 Greedy, ignore_eos, so every request produces exactly --max-tokens tokens. Each phase runs
 --repeats rounds and reports its fastest (the machine may be shared). Prints request
@@ -40,10 +42,15 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 # ---- offline ----
-def bench_offline(args: argparse.Namespace, prompts: list[str]) -> dict[str, float]:
+def bench_offline(
+    args: argparse.Namespace, prompts: list[str], max_num_seqs: int | None = None
+) -> dict[str, float]:
     from shardserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_options(args))
+    options = engine_options(args)
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
+    llm = LLM(args.model, **options)
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -180,10 +187,13 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def report(args: argparse.Namespace, offline: dict, results: list[Result], elapsed: float) -> None:
+def report(
+    args: argparse.Namespace, offline: dict, capped: dict, results: list[Result], elapsed: float
+) -> None:
     tokens = sum(r.tokens for r in results)
     failed = sum(not r.ok for r in results)
     off_rate = offline["tokens"] / offline["elapsed"]
+    capped_rate = capped["tokens"] / capped["elapsed"]
     srv_rate = tokens / elapsed
     ttft = [r.ttft for r in results]
     gaps = [g for r in results for g in r.gaps]
@@ -193,6 +203,8 @@ def report(args: argparse.Namespace, offline: dict, results: list[Result], elaps
     rows = [("offline output tokens/s", off_rate),
             ("server output tokens/s", srv_rate),
             ("server / offline", srv_rate / off_rate),
+            (f"offline, {args.num_clients} at a time", capped_rate),
+            (f"server / offline {args.num_clients} at a time", srv_rate / capped_rate),
             ("server requests/s", len(results) / elapsed),
             ("TTFT p50 (ms)", 1000 * pct(ttft, 50)),
             ("TTFT p99 (ms)", 1000 * pct(ttft, 99)),
@@ -216,9 +228,14 @@ def main() -> None:
     print("offline phase ...", flush=True)
     offline = bench_offline(args, prompts)
     print(f"offline: {offline['tokens']} tokens in {offline['elapsed']:.2f} s", flush=True)
+    # The server never has more than --num-clients requests in flight; offline at that width
+    # isolates the front end's cost from the batch-size effect.
+    capped = bench_offline(args, prompts, max_num_seqs=args.num_clients)
+    print(f"offline, {args.num_clients} at a time: {capped['tokens']} tokens in "
+          f"{capped['elapsed']:.2f} s", flush=True)
     print("server phase ...", flush=True)
     results, elapsed = bench_server(args, prompts)
-    report(args, offline, results, elapsed)
+    report(args, offline, capped, results, elapsed)
 
 
 if __name__ == "__main__":
