@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -74,6 +75,9 @@ class Executor(ABC):
         self._failure_callback: FailureCallback | None = None
         self._death: str | None = None  # why the executor failed, once it has
         self._shut_down = False
+        # Serialises failure marking: the callback must have run before any thread can see
+        # `_death` and raise EngineDeadError (re-entrant: a callback may call back into us).
+        self._fail_lock = threading.RLock()
         self._init_executor()
 
     # ---- what a backend implements ----
@@ -155,15 +159,23 @@ class Executor(ABC):
         self.collective_rpc("compile_or_warm_up_model")
 
     def _mark_failed(self, reason: str) -> None:
-        """Record the first failure (not after shutdown), log it, run the callback once."""
-        if self._shut_down or self._death is not None:
-            return
-        self._death = reason
-        logger.error("%s; the engine cannot continue", reason)
-        self.is_failed = True
-        callback, self._failure_callback = self._failure_callback, None
-        if callback is not None:
-            callback()
+        """Record the first failure (not after shutdown), log it, run the callback once.
+
+        Ordering: `is_failed` first (so a concurrent `register_failure_callback` runs its
+        callback itself), then the callback, and only then `_death`, which is what every call
+        path raises from: whoever sees EngineDeadError can rely on the callback having run.
+        """
+        with self._fail_lock:
+            if self._shut_down or self.is_failed:
+                return
+            self.is_failed = True
+            logger.error("%s; the engine cannot continue", reason)
+            callback, self._failure_callback = self._failure_callback, None
+            try:
+                if callback is not None:
+                    callback()
+            finally:
+                self._death = reason
 
     def _raise_if_dead(self) -> None:
         if self._death is not None:
@@ -173,10 +185,11 @@ class Executor(ABC):
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Run `callback` once when the executor fails (at once if it already has)."""
-        if self.is_failed:
-            callback()
-        else:
-            self._failure_callback = callback
+        with self._fail_lock:
+            if not self.is_failed:
+                self._failure_callback = callback
+                return
+        callback()
 
     def check_health(self) -> None:
         if self.is_failed:
