@@ -169,9 +169,7 @@ def test_reader_that_raises_releases_its_slot() -> None:
     w.enqueue(_Poison())
     with pytest.raises(ValueError, match="cannot decode"):
         r.dequeue(timeout=1)
-    t0 = time.monotonic()
-    w.enqueue("next", timeout=0.1)  # the single chunk was released despite the error
-    assert time.monotonic() - t0 < 0.1
+    w.enqueue("next", timeout=0.1)  # raises TimeoutError unless the chunk was released
     assert r.dequeue(timeout=1) == "next"
     w.close()
     r.close()
