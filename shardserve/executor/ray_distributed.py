@@ -99,9 +99,7 @@ class RayDistributedExecutor(Executor):
     def _death_cause(self, wait_s: float) -> str | None:
         """The recorded death, or one Ray reports within wait_s (recorded now)."""
         if self._death is None:
-            dead = self.group.find_dead(wait_s)
-            if dead is not None:
-                self._on_worker_death(*dead)
+            self.group.report_dead(wait_s)
         return self._death
 
     # ---- collective_rpc through actor calls ----

@@ -94,9 +94,7 @@ class RayExecutorV2(Executor):
 
     def _find_dead(self, wait_s: float) -> str | None:
         if self._death is None:
-            dead = self.group.find_dead(wait_s)
-            if dead is not None:
-                self._on_worker_death(*dead)
+            self.group.report_dead(wait_s)
         return self._death
 
     # ---- RPC ----

@@ -145,6 +145,13 @@ class RayWorkerGroup:
                 self._on_death(*dead)
                 return
 
+    def report_dead(self, wait_s: float) -> None:
+        """Look for a dead rank now (from a failing call's thread), waiting up to wait_s, and
+        report it through the same callback as the watcher thread (which records it once)."""
+        dead = self.find_dead(wait_s)
+        if dead is not None:
+            self._on_death(*dead)
+
     def find_dead(self, wait_s: float) -> tuple[int, str] | None:
         """(rank, reason) of a watched call that has finished, waiting up to wait_s."""
         if not self._watched:
