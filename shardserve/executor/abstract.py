@@ -23,12 +23,12 @@ logger = logging.getLogger(__name__)
 FailureCallback = Callable[[], None]
 
 # Backends by name; each module is imported only when chosen (Ray stays optional).
-_BACKENDS: dict[str, tuple[str, str] | str] = {
+_BACKENDS: dict[str, tuple[str, str]] = {
     "uni": ("shardserve.executor.uniproc", "UniProcExecutor"),
     "mp": ("shardserve.executor.multiproc", "MultiprocExecutor"),
     "ray": ("shardserve.executor.ray_distributed", "RayDistributedExecutor"),
     "ray_v2": ("shardserve.executor.ray_v2", "RayExecutorV2"),
-    "external_launcher": "the external-launcher capability (every torchrun rank runs the engine)",
+    "external_launcher": ("shardserve.executor.external_launcher", "ExternalLauncherExecutor"),
 }
 
 
@@ -50,11 +50,6 @@ class Executor(ABC):
             return backend
         assert isinstance(backend, str)
         target = _BACKENDS.get(backend)
-        if isinstance(target, str):
-            raise NotImplementedError(
-                f"distributed_executor_backend={backend!r} needs {target}, which is not built "
-                f"yet; use 'uni' (one rank) for now"
-            )
         if target is None:
             if "." not in backend:
                 raise ValueError(

@@ -59,12 +59,7 @@ def test_get_class_maps_backends(tiny_llama_dir):
         str(tiny_llama_dir), max_model_len=128, distributed_executor_backend=UniProcExecutor
     )
     assert Executor.get_class(as_class) is UniProcExecutor
-    for backend in ("external_launcher",):  # ray and ray_v2: tests/executor/test_ray.py
-        cfg = EngineConfig.from_kwargs(
-            str(tiny_llama_dir), max_model_len=128, distributed_executor_backend=backend
-        )
-        with pytest.raises(NotImplementedError, match=backend):
-            Executor.get_class(cfg)
+    # ray and ray_v2: tests/executor/test_ray.py; external_launcher: its own test file.
     bad = EngineConfig.from_kwargs(
         str(tiny_llama_dir), max_model_len=128, distributed_executor_backend="shardserve.config.X"
     )

@@ -1,0 +1,66 @@
+"""ExternalLauncherExecutor: an outside launcher (torchrun) starts one process per rank and every
+process runs the whole engine; this executor drives the one worker of its own process.
+
+    torchrun --standalone --nproc-per-node 2 script.py
+    # script.py: LLM(..., tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+
+There is no broadcast: each rank's engine schedules the same requests in the same order and each
+worker samples the same tokens (identical logits after the vocab all-gather, identically seeded
+generators), so the engines stay in lockstep and every rank returns the same outputs. Two things
+could break the lockstep, and are settled here across ranks: the KV-cache size (each rank's free
+memory differs, so all take the minimum) and the world size (it must match the launcher's).
+Feed every rank the same prompts and sampling parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from shardserve.executor.uniproc import UniProcExecutor
+from shardserve.worker.worker import Worker
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_env() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun's environment."""
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"distributed_executor_backend='external_launcher' needs {', '.join(missing)} in the "
+            f"environment, which torchrun sets: run the script with `torchrun --nproc-per-node "
+            f"N script.py` (N = tensor_parallel_size), or choose the 'mp' backend"
+        )
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return rank, local_rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+class ExternalLauncherExecutor(UniProcExecutor):
+    def _init_executor(self) -> None:
+        rank, local_rank, world, local_world = launcher_env()
+        expected = self.parallel_config.world_size
+        if world != expected:
+            raise ValueError(
+                f"the launcher started {world} processes (WORLD_SIZE={world}) but "
+                f"tensor_parallel_size x pipeline_parallel_size = {expected}; make them equal"
+            )
+        self.worker = Worker(
+            self.config, rank=rank, local_rank=local_rank,
+            distributed_init_method="env://", local_world_size=local_world,
+        )  # fmt: skip
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_available_memory(self) -> list[int]:
+        # Every rank must build the same number of KV blocks, or the schedulers diverge.
+        local = super().determine_available_memory()
+        if self.parallel_config.world_size == 1:
+            return local
+        smallest = torch.tensor(min(local), dtype=torch.int64, device=self.worker.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        return [int(smallest.item())]
