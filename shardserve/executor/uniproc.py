@@ -26,6 +26,7 @@ class UniProcExecutor(Executor):
         unique_reply_rank: int | None = None,
     ) -> Any:
         # In-process calls cannot be interrupted, so `timeout` has nothing to bound here.
+        self._raise_if_dead()  # after shutdown, or a failure a subclass recorded
         future: Future = Future()
         try:
             result = run_method(self.worker, method, args, kwargs or {})

@@ -127,3 +127,34 @@ def test_shutdown_is_idempotent(executor):
     executor.shutdown()
     with pytest.raises(RuntimeError):
         executor.collective_rpc("check_health")
+
+
+def test_failure_callback_runs_before_anyone_sees_the_death(executor):
+    """A thread that finds the executor dead can rely on the failure callback having run, even
+    while another thread is still inside it (the race CI once hit with ray_v2)."""
+    import threading
+    import time
+
+    from shardserve import EngineDeadError
+
+    done = []
+    executor.register_failure_callback(lambda: (time.sleep(0.3), done.append(1)))
+    marker = threading.Thread(target=executor._mark_failed, args=("rank 1 died (test)",))
+    marker.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            executor.collective_rpc("get_rank")
+        except EngineDeadError as e:
+            assert done == [1] and "rank 1 died" in str(e)
+            break
+    else:
+        pytest.fail("the death was never published")
+    marker.join(5)
+    executor._mark_failed("a second failure")  # recorded once: no second callback, same reason
+    assert done == [1]
+    with pytest.raises(EngineDeadError, match="rank 1 died"):
+        executor.collective_rpc("get_rank")
+    late = []
+    executor.register_failure_callback(lambda: late.append(1))  # already failed: runs at once
+    assert late == [1]
