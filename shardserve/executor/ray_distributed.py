@@ -79,7 +79,7 @@ class RayDistributedExecutor(Executor):
         self._step_failed = False  # since then a rank may be stuck in a collective
         self._graph_failure: ray_utils.RemoteFailure | None = None
         self.use_compiled_graph = use_compiled_graph(pc.ray_use_compiled_graph, self.world_size)
-        self.group = RayWorkerGroup(self.config, self._on_worker_death)
+        self.group = RayWorkerGroup(self.config, self._mark_failed)
         try:
             self.group.start(pc.worker_start_timeout_s)
             self.group.watch(self.group.lifelines)
@@ -93,9 +93,6 @@ class RayDistributedExecutor(Executor):
         )
 
     # ---- failure ----
-    def _on_worker_death(self, rank: int, reason: str) -> None:
-        self._mark_failed(self.group.describe(rank, reason))
-
     def _death_cause(self, wait_s: float) -> str | None:
         """The recorded death, or one Ray reports within wait_s (recorded now)."""
         if self._death is None:

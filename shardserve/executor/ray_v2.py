@@ -43,7 +43,7 @@ class RayExecutorV2(Executor):
         self._reply_handles: list[Handle] = []
         self._runs: list[Any] = []  # each actor's run() call: ends with its busy loop
         self.channel: RpcChannel | None = None
-        self.group = RayWorkerGroup(self.config, self._on_worker_death)
+        self.group = RayWorkerGroup(self.config, self._mark_failed)
         try:
             self.group.start(pc.worker_start_timeout_s)
             self._connect_queues(pc.worker_start_timeout_s)
@@ -89,9 +89,6 @@ class RayExecutorV2(Executor):
         )
 
     # ---- failure ----
-    def _on_worker_death(self, rank: int, reason: str) -> None:
-        self._mark_failed(self.group.describe(rank, reason))
-
     def _find_dead(self, wait_s: float) -> str | None:
         if self._death is None:
             self.group.report_dead(wait_s)

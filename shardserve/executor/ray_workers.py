@@ -3,7 +3,7 @@
     start(): connect_ray ─▶ place_ranks ─▶ one RayWorkerWrapper actor per rank (in its bundle)
              ─▶ rank 0 binds the rendezvous ─▶ init_worker on every rank (init_device, load_model)
     watch(refs): a thread waits on one long-running ref per actor; the first to finish (the
-             actor died, or its loop ended) is reported once through `on_death(rank, reason)`
+             actor died, or its loop ended) is reported once through `on_death(description)`
     stop():  stop watching ─▶ ray.kill every actor and wait until they are gone ─▶ remove the
              placement group we created ─▶ stop a Ray we started
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _WATCH_POLL_S = 0.2  # a death is reported at most this long after Ray sees it
 _KILL_WAIT_S = 5.0
 
-DeathCallback = Callable[[int, str], None]
+DeathCallback = Callable[[str], None]  # gets describe(rank, reason)
 
 
 class RayWorkerGroup:
@@ -142,7 +142,7 @@ class RayWorkerGroup:
                 logger.warning("the Ray worker monitor stopped: %s", e)
                 return
             if dead is not None and not self._stop.is_set():
-                self._on_death(*dead)
+                self._on_death(self.describe(*dead))
                 return
 
     def report_dead(self, wait_s: float) -> None:
@@ -150,7 +150,7 @@ class RayWorkerGroup:
         report it through the same callback as the watcher thread (which records it once)."""
         dead = self.find_dead(wait_s)
         if dead is not None:
-            self._on_death(*dead)
+            self._on_death(self.describe(*dead))
 
     def find_dead(self, wait_s: float) -> tuple[int, str] | None:
         """(rank, reason) of a watched call that has finished, waiting up to wait_s."""
