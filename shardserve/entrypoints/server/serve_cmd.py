@@ -63,6 +63,12 @@ class ServeCommand:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+        if config.parallel_config.distributed_executor_backend == "external_launcher":
+            raise ValueError(
+                "--distributed-executor-backend external_launcher runs a whole engine in every "
+                "torchrun rank, for offline LLM.generate; serve with 'mp' (one machine) or "
+                "'ray' / 'ray_v2' (a cluster)"
+            )
         served, aliases = served_names(args.model, args.served_model_name,
                                        config.model_config.path)
         previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -131,3 +131,17 @@ def test_unknown_route_and_method(http):
     resp = http.get("/v1/nothing")
     assert resp.status_code == 404 and resp.json()["error"]["message"]
     assert http.get(C).status_code == 405
+
+
+def test_serve_refuses_external_launcher(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardserve", "serve", "--model", str(tiny_llama_dir),
+         "--distributed-executor-backend", "external_launcher", "--port", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and "'mp'" in proc.stderr
+    assert "Traceback" not in proc.stderr
