@@ -83,3 +83,17 @@ def shm_allreduce() -> bool:
     """SHARDSERVE_SHM_ALLREDUCE: CPU tensor-parallel ranks on one machine sum through shared
     memory instead of gloo (default on; 0 to compare against gloo)."""
     return _get_bool("SHARDSERVE_SHM_ALLREDUCE", True)
+
+
+# --- shardserve/model (native CPU kernels) -------------------------------------------------------
+
+
+def native_kernels() -> bool:
+    """SHARDSERVE_NATIVE_KERNELS: use the C CPU kernels (default on; 0 = the PyTorch path only)."""
+    return _get_bool("SHARDSERVE_NATIVE_KERNELS", True)
+
+
+def cache_dir() -> str:
+    """SHARDSERVE_CACHE_DIR: where compiled kernels are kept (default ~/.cache/shardserve)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "shardserve")
+    return os.environ.get("SHARDSERVE_CACHE_DIR") or default

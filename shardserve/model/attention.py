@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.model import native_kernels
+
 KV_DIM = 2  # index of the K/V axis in a layer's cache tensor
 
 
@@ -44,6 +46,7 @@ class _Group:
 
     query_index: torch.Tensor | None  # int64 [B*Q] rows of the flat batch (None: all, in order)
     blocks: torch.Tensor  # int64 [B*W] cache blocks of each request's context (padded with 0)
+    seq_lens: torch.Tensor  # int64 [B] context length of each request (this step's tokens included)
     mask: torch.Tensor | None  # bool [B, 1, Q, L=W*block_size] (True = attend); None: no mask
     num_reqs: int
     max_query: int
@@ -156,6 +159,7 @@ def _build_group(
     return _Group(
         query_index=None if identity else query_index,
         blocks=bt[idx, :width].reshape(-1),
+        seq_lens=sl,
         mask=mask_out,
         num_reqs=len(reqs),
         max_query=max_q,
@@ -183,7 +187,7 @@ def _output_index(
 def _group_to(group: _Group | None, device: torch.device) -> _Group | None:
     if group is None or device.type == "cpu":
         return group
-    for name in ("query_index", "blocks", "mask"):
+    for name in ("query_index", "blocks", "seq_lens", "mask"):
         t = getattr(group, name)
         if t is not None:
             setattr(group, name, t.to(device))
@@ -226,13 +230,23 @@ def paged_attention(
     flat_cache.index_copy_(0, meta.slot_mapping, kv)
     outs = []
     if meta.decode is not None:
-        outs.append(_attend_group(q, kv, kv_cache, meta.decode))
+        outs.append(_attend_decode(q, kv, kv_cache, meta.decode))
     if meta.prefill is not None:
         outs.append(_attend_group(q, kv, kv_cache, meta.prefill))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     if meta.output_index is not None:
         out = out.index_select(0, meta.output_index)
     return out
+
+
+def _attend_decode(
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, g: _Group
+) -> torch.Tensor:
+    """Decode rows: the C kernel reads the cache in place where it can, else `_attend_group`."""
+    if native_kernels.supports(q.dtype, q.device) and q.stride(-1) == 1:
+        block_table = g.blocks.view(g.num_reqs, -1)
+        return native_kernels.decode_attention(q, kv_cache, block_table, g.seq_lens, g.query_index)
+    return _attend_group(q, kv, kv_cache, g)
 
 
 def _attend_group(

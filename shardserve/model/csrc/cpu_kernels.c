@@ -1,0 +1,350 @@
+/*
+ * CPU kernels for the decode hot path, built on first use by shardserve/model/native_kernels.py
+ * (gcc -O3 -march=native -fopenmp) and called through ctypes with raw tensor pointers.
+ *
+ * Threads: OpenMP. torch ships its own libgomp with the same soname (libgomp.so.1) and has loaded
+ * it before this library is opened, so these parallel regions run on torch's thread pool: no
+ * second pool competes with torch's (spinning) threads.
+ *
+ * Element types (the `dtype` argument): 0 = float32, 1 = bfloat16. Everything accumulates in
+ * float32; bfloat16 results are rounded to nearest even, as torch rounds.
+ *
+ * All tensors are dense row-major unless a stride argument says otherwise; strides are in
+ * elements, not bytes.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DT_F32 0
+#define DT_BF16 1
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Load n elements of type `dtype` starting at p[0] into dst as float32. */
+static inline void load_f32(float *restrict dst, const void *restrict p, int64_t n, int dtype) {
+    if (dtype == DT_F32) {
+        memcpy(dst, p, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *h = (const uint16_t *)p;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
+    }
+}
+
+static inline void store_f32(void *restrict p, const float *restrict src, int64_t n, int dtype) {
+    if (dtype == DT_F32) {
+        memcpy(p, src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *h = (uint16_t *)p;
+        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(src[i]);
+    }
+}
+
+static inline float dot_f32(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+
+static inline void axpy_f32(float *restrict y, float w, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += w * x[i];
+}
+
+/* Slots per online-softmax step: one AVX-512 vector of scores. */
+#define GROUP 16
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* 16 elements at p (float32 or bfloat16) as float32. */
+ALWAYS_INLINE __m512 load16(const void *p, int dtype) {
+    if (dtype == DT_F32) return _mm512_loadu_ps(p);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* e^x for x <= 0 (scores minus their max): 2^n * 2^f with |f| <= 1/2, 2^f by a degree-6 Taylor
+ * polynomial (relative error ~1e-7), 2^n applied exactly by scalef. */
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* r[i] = sum of the 16 lanes of a[i]: a transpose-and-add tree, 45 instructions for 16 sums
+ * instead of 16 separate horizontal reductions. */
+ALWAYS_INLINE __m512 hsum16x16(const __m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++) /* 128-bit lane: partial sums of a[4j .. 4j+3] */
+        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* add the four 128-bit lanes of c[j] and put the result in lane j */
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One head's scores over n <= 16 slots: dot(q, K_t) for t < n, 0 beyond. q is the head's
+ * float32 query, already scaled; k0 is its K row in slot 0, slot_bytes apart. */
+ALWAYS_INLINE __m512 head_scores_f32(const float *q, const char *k0, int64_t n, int64_t D,
+                                     size_t slot_bytes, int dtype, size_t esize) {
+    __m512 part[GROUP];
+#pragma GCC unroll 16
+    for (int t = 0; t < GROUP; t++) {
+        __m512 acc = _mm512_setzero_ps();
+        if (t < n) {
+            const char *k = k0 + t * slot_bytes;
+            for (int64_t d = 0; d < D; d += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d * esize, dtype), acc);
+        }
+        part[t] = acc;
+    }
+    return hsum16x16(part);
+}
+
+#if defined(__AVX512BF16__)
+/* The same for bfloat16 q and K (D % 32 == 0): exact bf16 products summed in float32. */
+ALWAYS_INLINE __m512 head_scores_bf16(const uint16_t *q, const char *k0, int64_t n, int64_t D,
+                                      size_t slot_bytes) {
+    __m512 part[GROUP];
+#pragma GCC unroll 16
+    for (int t = 0; t < GROUP; t++) {
+        __m512 acc = _mm512_setzero_ps();
+        if (t < n) {
+            const uint16_t *k = (const uint16_t *)(k0 + t * slot_bytes);
+            for (int64_t d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                       (__m512bh)_mm512_loadu_si512(k + d));
+        }
+        part[t] = acc;
+    }
+    return hsum16x16(part);
+}
+#endif
+
+/* Online softmax step for one head: fold scores s[0..n) into (max m, sum l) and rescale its
+ * accumulator acc [D] to the new max; leaves p[t] = exp(s[t] - m_new) in s (0 beyond n). */
+static void fold_scores(float *s, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+    const __m512 sv = _mm512_loadu_ps(s);
+    const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
+    const float new_max = block_max > *m ? block_max : *m;
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(s, e);
+    const float correction = expf(*m - new_max); /* exp(-inf) = 0 on the first group */
+    *l = *l * correction + _mm512_reduce_add_ps(e);
+    *m = new_max;
+    if (correction != 1.f) {
+        const __m512 cv = _mm512_set1_ps(correction);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_mul_ps(cv, _mm512_loadu_ps(acc + d)));
+    }
+}
+
+/* acc[g] += sum_{t<n} p[g][t] * V_t for the G query heads of one KV head; v0 is that head's V row
+ * in slot 0. G is a constant in each instantiation, so the G accumulators of a 16-wide column
+ * stay in registers for the whole group. */
+ALWAYS_INLINE void kv_head_values(float *acc, const float *p, const char *v0, int64_t n,
+                                  int64_t D, size_t slot_bytes, int dtype, size_t esize,
+                                  const int G) {
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 a[G];
+        for (int g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + d);
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 v = load16(v0 + t * slot_bytes + d * esize, dtype);
+            for (int g = 0; g < G; g++)
+                a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * GROUP + t]), v, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + d, a[g]);
+    }
+}
+
+static void group_values(float *acc, const float *p, const char *v0, int64_t n, int64_t D,
+                         size_t slot_bytes, int dtype, size_t esize, int64_t G) {
+    switch (G) {
+#define CASE(g) case g: kv_head_values(acc, p, v0, n, D, slot_bytes, dtype, esize, g); return;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    default: /* wider groups: the heads in chunks of 8 */
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int64_t rest = G - g0 < 8 ? G - g0 : 8;
+            group_values(acc + g0 * D, p + g0 * GROUP, v0, n, D, slot_bytes, dtype, esize, rest);
+        }
+    }
+}
+
+/* One request with D % 16 == 0 on AVX-512; scratch: see decode_scratch_floats. */
+static void decode_request_avx512(void *out, const void *q, const void *cache,
+                                  const int64_t *blocks, int64_t seq_len, int64_t H, int64_t Hkv,
+                                  int64_t D, int64_t block_size, float scale, int dtype,
+                                  float *scratch) {
+    const int64_t G = H / Hkv;
+    const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
+    float *qf = scratch, *acc = qf + H * D, *s = acc + H * D, *m = s + H * GROUP, *l = m + H;
+    load_f32(qf, q, H * D, dtype);
+    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
+    memset(acc, 0, sizeof(float) * (size_t)(H * D));
+    for (int64_t h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+#if defined(__AVX512BF16__)
+    const int use_dp = dtype == DT_BF16 && D % 32 == 0;
+#endif
+    int64_t cnt;
+    for (int64_t start = 0; start < seq_len; start += cnt) {
+        /* up to GROUP slots, never across a block end */
+        const int64_t n = seq_len - start < GROUP ? seq_len - start : GROUP;
+        const int64_t in_block = block_size - start % block_size;
+        cnt = n < in_block ? n : in_block;
+        const char *slot0 = (const char *)cache + (size_t)(blocks[start / block_size] * block_size
+                                                           + start % block_size) * slot_bytes;
+        for (int64_t h = 0; h < H; h++) {
+            const char *k0 = slot0 + (size_t)((h / G) * D) * esize;
+            __m512 sv;
+#if defined(__AVX512BF16__)
+            if (use_dp)
+                sv = _mm512_mul_ps(_mm512_set1_ps(scale),
+                                   head_scores_bf16((const uint16_t *)q + h * D, k0, cnt, D,
+                                                    slot_bytes));
+            else
+#endif
+                sv = head_scores_f32(qf + h * D, k0, cnt, D, slot_bytes, dtype, esize);
+            _mm512_storeu_ps(s + h * GROUP, sv);
+            fold_scores(s + h * GROUP, cnt, m + h, l + h, acc + h * D, D);
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++)
+            group_values(acc + kvh * G * D, s + kvh * G * GROUP,
+                         slot0 + (size_t)((Hkv + kvh) * D) * esize, cnt, D, slot_bytes, dtype,
+                         esize, G);
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
+    store_f32(out, acc, H * D, dtype);
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+/* Portable version: any D, any CPU; one slot at a time, rescaling the running sums per slot. */
+static void decode_request_scalar(void *out, const void *q, const void *cache,
+                                  const int64_t *blocks, int64_t seq_len, int64_t H, int64_t Hkv,
+                                  int64_t D, int64_t block_size, float scale, int dtype,
+                                  float *scratch) {
+    const int64_t G = H / Hkv;
+    const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
+    float *qf = scratch, *acc = qf + H * D, *row = acc + H * D, *m = row + D, *l = m + H;
+    float *score = l + H;
+    load_f32(qf, q, H * D, dtype);
+    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
+    memset(acc, 0, sizeof(float) * (size_t)(H * D));
+    for (int64_t h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    for (int64_t t = 0; t < seq_len; t++) {
+        const char *slot = (const char *)cache
+                           + (size_t)(blocks[t / block_size] * block_size + t % block_size)
+                                 * slot_bytes;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            load_f32(row, slot + (size_t)(kvh * D) * esize, D, dtype);
+            for (int64_t g = 0; g < G; g++) score[g] = dot_f32(qf + (kvh * G + g) * D, row, D);
+            load_f32(row, slot + (size_t)((Hkv + kvh) * D) * esize, D, dtype);
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = kvh * G + g;
+                const float new_max = score[g] > m[h] ? score[g] : m[h];
+                const float correction = expf(m[h] - new_max), w = expf(score[g] - new_max);
+                l[h] = l[h] * correction + w;
+                m[h] = new_max;
+                for (int64_t d = 0; d < D; d++) acc[h * D + d] = acc[h * D + d] * correction
+                                                                 + w * row[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
+    store_f32(out, acc, H * D, dtype);
+}
+
+/*
+ * Decode attention over a paged KV cache: one query token per request.
+ *
+ *   q      [*, H, D] rows; request r's query is row q_rows[r] (or r when q_rows is NULL), rows
+ *          q_row_stride elements apart (q may be a view into the fused qkv output)
+ *   cache  [num_blocks, block_size, 2, Hkv, D]; one slot (block, offset) is K then V:
+ *
+ *            slot s:  | K head 0 | K head 1 | .. | K head Hkv-1 | V head 0 | .. | V head Hkv-1 |
+ *                       <-- D --->                                 (2 * Hkv * D elements)
+ *
+ *   block_table [B, bt_stride] int64, seq_lens [B] int64 (tokens of context, this one included,
+ *          whose K/V must already be written)
+ *   out    [B, H, D] dense
+ *
+ * Query head h reads KV head h / (H / Hkv). One task per request, one pass over its context in
+ * order with an online softmax (as flash-decoding does): 16 slots at a time, the scores of every
+ * head, then each head's running max and sum are corrected and the slots' V rows added in. Each
+ * slot's 2 * Hkv * D contiguous elements are read once per step, front to back; the only writes
+ * are to per-thread scratch and to out. Returns 0, or -1 when scratch cannot be allocated.
+ */
+int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
+                     const void *cache, const int64_t *block_table, int64_t bt_stride,
+                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t block_size, float scale, int dtype, int num_threads) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
+    const int64_t per_thread = 2 * H * D + H * GROUP + 2 * H + D;
+    /* Allocated before the parallel region: every thread must reach the `omp for`. */
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads));
+    if (scratch == NULL) return -1;
+    const int vectorised = HAVE_AVX512 && D % 16 == 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t q_row = q_rows ? q_rows[r] : r;
+        void *o = (char *)out + (size_t)(r * H * D) * esize;
+        const void *qr = (const char *)q + (size_t)(q_row * q_row_stride) * esize;
+        float *buf = scratch + per_thread * omp_get_thread_num();
+#if HAVE_AVX512
+        if (vectorised) {
+            decode_request_avx512(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv,
+                                  D, block_size, scale, dtype, buf);
+            continue;
+        }
+#endif
+        decode_request_scalar(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv, D,
+                              block_size, scale, dtype, buf);
+    }
+    free(scratch);
+    return 0;
+}
