@@ -97,3 +97,8 @@ def cache_dir() -> str:
     """SHARDSERVE_CACHE_DIR: where compiled kernels are kept (default ~/.cache/shardserve)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "shardserve")
     return os.environ.get("SHARDSERVE_CACHE_DIR") or default
+
+
+def compiler() -> str:
+    """SHARDSERVE_CC: the C compiler that builds the native kernels (default gcc)."""
+    return os.environ.get("SHARDSERVE_CC") or "gcc"

@@ -226,8 +226,11 @@ def paged_attention(
 
     q: [T, H, D] (RoPE applied); kv: [T, 2, Hkv, D] (K with RoPE applied, V).
     """
-    flat_cache = kv_cache.view(-1, *kv_cache.shape[2:])  # [slots, 2, Hkv, D]
-    flat_cache.index_copy_(0, meta.slot_mapping, kv)
+    if native_kernels.supports(kv.dtype, kv.device) and kv[0].is_contiguous():
+        native_kernels.cache_write(kv_cache, kv, meta.slot_mapping)
+    else:
+        flat_cache = kv_cache.view(-1, *kv_cache.shape[2:])  # [slots, 2, Hkv, D]
+        flat_cache.index_copy_(0, meta.slot_mapping, kv)
     outs = []
     if meta.decode is not None:
         outs.append(_attend_decode(q, kv, kv_cache, meta.decode))
@@ -354,18 +357,35 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(pos, self.inv_freq)
         self.table = torch.polar(torch.ones_like(angles), angles)
 
-    def lookup(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """cis rows [T, 1, D/2] for `positions`; `max_position` bounds them (a host int)."""
+    def for_step(self, positions: torch.Tensor, max_position: int) -> RopeStep:
+        """The rotation of one step's tokens at `positions`; `max_position` bounds them (a host
+        int), so the table grows without reading a tensor."""
         if max_position >= self.table.shape[0]:
             self._build(max(2 * self.table.shape[0], max_position + 1, 256))
-        return self.table.index_select(0, positions).unsqueeze(1)
+        return RopeStep(positions, self.table)
 
-    @staticmethod
-    def apply_(x: torch.Tensor, cis: torch.Tensor) -> None:
+
+@dataclass
+class RopeStep:
+    """One step's RoPE, shared by all layers: the C kernel reads the table rows in place; the
+    PyTorch path looks them up once (`cis`, [T, 1, D/2]) on first use."""
+
+    positions: torch.Tensor  # int64 [T]
+    table: torch.Tensor  # complex64 [P, D/2]
+    _cis: torch.Tensor | None = None
+
+    def apply_(self, x: torch.Tensor) -> None:
         """Rotate x [T, heads, D] (interleaved pairs) in place; x may be a view into qkv."""
+        if x.stride(-1) == 1 and x.stride(1) == x.shape[2] and native_kernels.supports(
+            x.dtype, x.device
+        ):
+            native_kernels.rope_(x, self.positions, torch.view_as_real(self.table))
+            return
+        if self._cis is None:
+            self._cis = self.table.index_select(0, self.positions).unsqueeze(1)
         pairs = x.view(*x.shape[:-1], -1, 2)
         if x.dtype == torch.float32:
-            torch.view_as_complex(pairs).mul_(cis)
+            torch.view_as_complex(pairs).mul_(self._cis)
         else:  # no bf16 complex type: rotate in float32 and write back
-            rotated = torch.view_as_complex(pairs.float()) * cis
+            rotated = torch.view_as_complex(pairs.float()) * self._cis
             pairs.copy_(torch.view_as_real(rotated))

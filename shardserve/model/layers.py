@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.parallel_state import get_tp_group
+from shardserve.model import native_kernels
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
 
@@ -142,10 +143,23 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._native(x, residual):
+            # The residual stream is updated in place: the caller's old residual is dead.
+            out = native_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, self.shape, self.weight, self.eps), residual
+
+    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (
+            x.dim() == 2
+            and x.stride(-1) == 1
+            and (residual is None or residual.is_contiguous())
+            and self.weight.dtype == x.dtype
+            and native_kernels.supports(x.dtype, x.device)
+        )
 
 
 class ColumnParallelLinear(MatmulLayer):

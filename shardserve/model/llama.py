@@ -19,8 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.parallel_state import get_tp_group
+from shardserve.model import native_kernels
 from shardserve.model.arch import ModelArch
-from shardserve.model.attention import AttentionMetadata, RotaryEmbedding, paged_attention
+from shardserve.model.attention import (
+    AttentionMetadata,
+    RopeStep,
+    RotaryEmbedding,
+    paged_attention,
+)
 from shardserve.model.layers import (
     MatmulLayer,
     MergedColumnParallelLinear,
@@ -67,7 +73,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cis: torch.Tensor,
+        rope: RopeStep,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -76,7 +82,7 @@ class LlamaAttention(nn.Module):
         # q and k are adjacent in qkv, so one in-place rotation covers both (rows were permuted
         # to interleaved RoPE pairs at load time; the cached K keeps that order).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-        RotaryEmbedding.apply_(qk, cis)
+        rope.apply_(qk)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         kv = qkv[:, self.q_size :].view(t, 2, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, kv, kv_cache, meta))
@@ -94,6 +100,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if gate_up.dim() == 2 and gate_up.is_contiguous() and native_kernels.supports(
+            gate_up.dtype, gate_up.device
+        ):
+            return self.down_proj(native_kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.local_inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -111,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cis: torch.Tensor,
+        rope: RopeStep,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cis, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -143,11 +153,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-        cis = self.rotary.lookup(meta.positions, meta.max_seq_len)  # shared by all layers
+        rope = self.rotary.for_step(meta.positions, meta.max_seq_len)  # shared by all layers
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cis, cache, meta)
+            x, residual = layer(x, residual, rope, cache, meta)
         return self.norm(x, residual)[0]
 
 

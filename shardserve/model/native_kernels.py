@@ -3,26 +3,32 @@
 Why C: decode attention over a paged cache is a few small dot products per cached row. Stock
 PyTorch has to gather every request's blocks into a padded copy and then run SDPA, whose CPU
 kernel is tuned for long query blocks and runs decode shapes at a fraction of its speed. The C
-kernel reads K/V rows where they lie, once per step, with float32 accumulation.
+kernel reads K/V rows where they lie, once per step, with float32 accumulation. The small
+per-layer ops around it (RMSNorm with the residual add, RoPE, SiLU*up, the KV-cache write) cost
+PyTorch 10-70 us each in dispatch and temporaries, 30 layers a step; in C they are one call each.
 
-Build: `gcc -O3 -march=native -fopenmp -shared` into a cache folder (SHARDSERVE_CACHE_DIR, default
-~/.cache/shardserve), named by a hash of the source, the flags, the compiler and the CPU's flags,
-so an edit, another compiler or another CPU gets its own library. The library is written to a
-temporary name and renamed, so processes building at once never load a half-written file.
-Where the build fails (no compiler) every caller falls back to the PyTorch path, with one warning;
-SHARDSERVE_NATIVE_KERNELS=0 forces that fallback (tests compare the two).
-"""
+Build: `gcc -O3 -march=native -fopenmp -shared` (compiler: SHARDSERVE_CC) into a cache folder
+(SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the source, the flags, the
+compiler and the CPU's flags, so an edit, another compiler or another CPU gets its own library.
+The library is written to a temporary name and renamed, so processes building at once never load
+a half-written file. Where the build fails (no compiler) every caller falls back to the PyTorch
+path, with one warning; SHARDSERVE_NATIVE_KERNELS=0 forces that fallback.
+
+Float16 and non-CPU tensors always take the PyTorch path."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,40 +40,61 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
-_FLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
-    "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-]
+_FLAGS = (
+    "-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+    "-fassociative-math", "-fno-signed-zeros",
+)
+NATIVE_ARCH = ("-march=native",)
+# Without AVX-512: the portable C path, which other CPUs run (tests build it to check it here).
+PORTABLE_ARCH = ("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64") else ()
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _BUILD_TIMEOUT_S = 120.0
+_override: ctypes.CDLL | None = None
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the native kernels handle tensors of this dtype on this device."""
-    return device.type == "cpu" and dtype in _DTYPES and library() is not None
+    return device.type == "cpu" and dtype in _DTYPES and (_override or library()) is not None
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it is disabled or cannot be built."""
+    """The kernel library built for this CPU, or None where it is disabled or cannot be built."""
     if not envs.native_kernels():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        return build_library(NATIVE_ARCH)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+
+
+def build_library(arch_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """Build (or find in the cache) and load the kernels compiled with `arch_flags`."""
+    lib = ctypes.CDLL(str(_build(arch_flags)))
     _declare(lib)
     return lib
 
 
-def _build() -> Path:
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL) -> Iterator[None]:
+    """Run the kernels from `lib` (e.g. the portable build) inside the block."""
+    global _override
+    previous, _override = _override, lib
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _build(arch_flags: tuple[str, ...]) -> Path:
+    compiler = shutil.which(envs.compiler())
     if compiler is None:
-        raise RuntimeError("no C compiler (gcc) on PATH")
+        raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
+    flags = (*_FLAGS, *arch_flags)
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
-        source + " ".join(_FLAGS).encode() + _compiler_version(compiler) + _cpu_flags()
+        source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
     ).hexdigest()[:16]
     cache = Path(envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{key}.so"
@@ -77,7 +104,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, str(_SOURCE), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -102,12 +129,19 @@ def _cpu_flags() -> bytes:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [
-        ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
-        ctypes.c_float, ctypes.c_int, ctypes.c_int,
-    ]
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "decode_attention": [ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                             f32, i32, i32],
+        "rms_norm": [ptr, ptr, i64, ptr, ptr, i64, i64, f32, i32, i32],
+        "rope_inplace": [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32],
+        "silu_mul": [ptr, ptr, i64, i64, i32, i32],
+        "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = argtypes
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -129,8 +163,7 @@ def decode_attention(
     contiguous. block_table: int64 [B, W] contiguous rows; seq_lens: int64 [B], context lengths
     including this step's token, whose K/V must already be in the cache.
     """
-    lib = library()
-    assert lib is not None, "decode_attention called without the native library"
+    lib = _lib()
     _, num_heads, head_dim = q.shape
     num_blocks, block_size, two, num_kv, kv_dim = kv_cache.shape
     b = block_table.shape[0]
@@ -148,6 +181,82 @@ def decode_attention(
         num_kv, head_dim, block_size, head_dim**-0.5 if scale is None else scale,
         _DTYPES[q.dtype], torch.get_num_threads(),
     )
-    if rc != 0:
-        raise MemoryError("decode_attention: out of memory for its scratch buffers")
+    _check(rc, "decode_attention")
     return out
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise MemoryError(f"{name}: out of memory for its scratch buffers")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """HF-style RMSNorm of x [T, N] (rows may be strided); with a residual [T, N] (contiguous),
+    first residual += x in place and normalise that. Returns a new [T, N] tensor."""
+    lib = _lib()
+    t, n = x.shape
+    if x.stride(1) != 1 or (residual is not None and not residual.is_contiguous()):
+        raise ValueError("rms_norm needs unit-stride rows and a contiguous residual")
+    out = torch.empty(t, n, dtype=x.dtype)
+    rc = lib.rms_norm(
+        out.data_ptr(), x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), t, n, eps,
+        _DTYPES[x.dtype], torch.get_num_threads(),
+    )
+    _check(rc, "rms_norm")
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] (interleaved pairs; rows may be strided) in place by the complex64
+    table [P, D/2] rows at `positions` (int64 [T], all < P)."""
+    lib = _lib()
+    t, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or not table.is_contiguous():
+        raise ValueError("rope_ needs unit-stride heads and a contiguous table")
+    positions = positions.contiguous()
+    rc = lib.rope_inplace(
+        x.data_ptr(), x.stride(0), positions.data_ptr(), table.data_ptr(), t, heads, d,
+        _DTYPES[x.dtype], torch.get_num_threads(),
+    )
+    _check(rc, "rope_inplace")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a contiguous [T, 2 * I] gate_up (gate first); returns [T, I]."""
+    lib = _lib()
+    if not gate_up.is_contiguous():
+        raise ValueError("silu_mul needs a contiguous gate_up")
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    rc = lib.silu_mul(out.data_ptr(), gate_up.data_ptr(), t, two_i // 2, _DTYPES[gate_up.dtype],
+                      torch.get_num_threads())
+    _check(rc, "silu_mul")
+    return out
+
+
+def cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache.view(slots, -1)[slot_mapping] = kv, for kv [T, 2, Hkv, D] whose rows are dense
+    (a view into qkv is fine) and a contiguous cache [num_blocks, block_size, 2, Hkv, D]."""
+    lib = _lib()
+    t, slot_elems = kv.shape[0], kv[0].numel()
+    if (
+        not kv_cache.is_contiguous()
+        or not kv[0].is_contiguous()
+        or kv.dtype != kv_cache.dtype
+        or kv_cache[0, 0].numel() != slot_elems
+    ):
+        raise ValueError("cache_write needs a contiguous cache, dense kv rows of one slot's size "
+                         "and equal dtypes")
+    slot_mapping = slot_mapping.contiguous()
+    rc = lib.cache_write(kv_cache.data_ptr(), kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(),
+                         t, slot_elems, _DTYPES[kv.dtype])
+    _check(rc, "cache_write")
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _override or library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available (see supports())")
+    return lib
