@@ -15,7 +15,7 @@ def test_kv_cache_starts_zeroed() -> None:
     assert all(bool((c == 0).all()) for c in caches)
 
 
-def test_decodes_of_ragged_lengths_match_dense_attention() -> None:
+def test_decodes_of_ragged_lengths_match_dense_attention(kernel_path: str) -> None:
     """Three decodes with contexts 5, 9 and 2 over shuffled blocks of 4, stale values in the
     unwritten tails: each equals plain SDPA over its own keys."""
     g = torch.Generator().manual_seed(0)

@@ -149,7 +149,7 @@ def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "tied_mqa", "qwen2", "mistral"])
-def test_prefill_matches_hf(kind: str) -> None:
+def test_prefill_matches_hf(kind: str, kernel_path: str) -> None:
     hf, arch = make_hf(kind)
     model = build_model(hf, arch)
     ps = prompts(3, [5, 13, 9], arch.vocab_size)
@@ -174,7 +174,7 @@ def decode_scenario(model: LlamaForCausalLM, vocab: int, block_size: int) -> dic
 
 
 @pytest.mark.parametrize(("kind", "block_size"), [("llama", 4), ("qwen2", 16), ("tied_mqa", 4)])
-def test_incremental_decode_matches_hf(kind: str, block_size: int) -> None:
+def test_incremental_decode_matches_hf(kind: str, block_size: int, kernel_path: str) -> None:
     hf, arch = make_hf(kind)
     model = build_model(hf, arch)
     for rid, (seq, got) in decode_scenario(model, arch.vocab_size, block_size).items():
@@ -197,7 +197,7 @@ def mixed_scenario(model: LlamaForCausalLM, vocab: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "tied_mqa"])
-def test_mixed_batch_chunked_prefill_and_decodes(kind: str) -> None:
+def test_mixed_batch_chunked_prefill_and_decodes(kind: str, kernel_path: str) -> None:
     hf, arch = make_hf(kind)
     model = build_model(hf, arch)
     seqs, got = mixed_scenario(model, arch.vocab_size)
@@ -219,7 +219,7 @@ def test_fresh_prefill_next_to_decodes() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_close_to_fp32(dtype: torch.dtype) -> None:
+def test_half_precision_close_to_fp32(dtype: torch.dtype, kernel_path: str) -> None:
     hf, arch = make_hf("llama")
     ref = decode_scenario(build_model(hf, arch), arch.vocab_size, 4)
     model = build_model(hf, arch, dtype)

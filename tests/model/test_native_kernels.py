@@ -1,0 +1,169 @@
+"""The C kernels against plain PyTorch references, in the AVX-512 build and the portable build.
+
+The references are written out here in the simplest PyTorch (a loop over requests, float32
+softmax), not taken from the engine's own fallback path, so a shared mistake cannot hide.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardserve.model import native_kernels as nk
+
+pytestmark = pytest.mark.skipif(nk.library() is None, reason="no C compiler: PyTorch path only")
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request):
+    """Run the test under each build: the one for this CPU, and the one without AVX-512."""
+    if request.param == "native":
+        yield
+        return
+    with nk.using(nk.build_library(nk.PORTABLE_ARCH)):
+        yield
+
+
+def reference_decode(q, cache, block_table, seq_lens):
+    """softmax(q K^T / sqrt(D)) V per request over its first seq_len slots, in float32."""
+    b, h, d = q.shape
+    hkv, bs = cache.shape[3], cache.shape[1]
+    flat = cache.view(-1, 2, hkv, d).float()
+    out = []
+    for r in range(b):
+        pos = torch.arange(int(seq_lens[r]))
+        slots = block_table[r][pos // bs] * bs + pos % bs
+        k = flat[slots, 0].repeat_interleave(h // hkv, dim=1).transpose(0, 1)  # [H, L, D]
+        v = flat[slots, 1].repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+        att = torch.softmax(q[r].float().unsqueeze(1) @ k.transpose(1, 2) / d**0.5, -1)
+        out.append((att @ v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 2, 16, 4), (8, 1, 32, 32), (4, 4, 8, 16), (6, 2, 48, 8), (16, 2, 128, 16)],
+)
+def test_decode_attention_matches_reference(
+    kernels, dtype, heads, kv_heads, head_dim, block_size
+) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
+    b = 5
+    seq_lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 70])
+    width = int(-(-seq_lens.max() // block_size))
+    num_blocks = b * width + 3
+    # Stale huge values everywhere a request must not read: unused slots and blocks.
+    cache = torch.full((num_blocks, block_size, 2, kv_heads, head_dim), 3e4).to(dtype)
+    block_table = torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width)
+    for r in range(b):
+        for p in range(int(seq_lens[r])):
+            blk, off = block_table[r][p // block_size], p % block_size
+            cache[blk, off] = torch.randn(2, kv_heads, head_dim, generator=gen).to(dtype)
+    # Queries as strided rows of a wider buffer, picked out of order, as from a fused qkv.
+    rows = torch.randn(2 * b, heads * head_dim + 7 * head_dim, generator=gen).to(dtype)
+    q = rows[:, : heads * head_dim].view(2 * b, heads, head_dim)
+    q_rows = torch.tensor([7, 0, 3, 9, 4])
+    out = nk.decode_attention(q, cache, block_table, seq_lens, q_rows)
+    ref = reference_decode(q[q_rows], cache, block_table, seq_lens)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def hf_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm: float32 statistics, cast back, then times the weight."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 40])
+def test_rms_norm_with_and_without_residual(kernels, dtype, hidden) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(6, hidden, generator=gen).to(dtype)
+    residual = torch.randn(6, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    torch.testing.assert_close(nk.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+    summed = x + residual
+    out = nk.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(residual, summed)  # updated in place, rounded as x + residual rounds
+    torch.testing.assert_close(out, hf_rms_norm(summed, weight, 1e-5))
+    # Strided rows (a column slice of a wider tensor).
+    wide = torch.randn(6, hidden + 16, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        nk.rms_norm(wide[:, :hidden], weight, 1e-5), hf_rms_norm(wide[:, :hidden], weight, 1e-5)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_interleaved_pairs(kernels, dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, heads, d = 5, 4, 16
+    angles = torch.outer(torch.arange(40.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    table = torch.polar(torch.ones_like(angles), angles)  # complex64 [P, D/2]
+    positions = torch.tensor([0, 3, 39, 7, 7])
+    qkv = torch.randn(t, heads * d + 3 * d, generator=gen).to(dtype)
+    x = qkv[:, : heads * d].view(t, heads, d)
+    expected = torch.view_as_complex(x.float().reshape(t, heads, d // 2, 2).contiguous())
+    expected = torch.view_as_real(expected * table[positions].unsqueeze(1)).reshape(t, heads, d)
+    tail = qkv[:, heads * d :].clone()
+    nk.rope_(x, positions, torch.view_as_real(table))
+    torch.testing.assert_close(x.float(), expected, **TOL[dtype])
+    assert torch.equal(qkv[:, heads * d :], tail)  # nothing outside x is touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 24])
+def test_silu_mul(kernels, dtype, inter) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (4 * torch.randn(7, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and signs
+    gate, up = gate_up.split(inter, dim=-1)
+    expected = F.silu(gate) * up  # bf16: silu rounded, then the product rounded, as HF
+    torch.testing.assert_close(nk.silu_mul(gate_up), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_matches_index_copy(kernels, dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(8, 4, 2, 3, 16, generator=gen).to(dtype)
+    expected = cache.clone()
+    qkv = torch.randn(5, 9 * 16 + 2 * 3 * 16, generator=gen).to(dtype)
+    kv = qkv[:, 9 * 16 :].view(5, 2, 3, 16)
+    slots = torch.tensor([31, 0, 5, 6, 17])
+    expected.view(-1, 2, 3, 16).index_copy_(0, slots, kv)
+    nk.cache_write(cache, kv, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_bad_layouts_are_refused() -> None:
+    cache = torch.zeros(4, 4, 2, 2, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        nk.decode_attention(
+            torch.zeros(2, 4, 16), cache.transpose(0, 1), torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match="one slot's size"):
+        nk.cache_write(cache, torch.zeros(3, 2, 1, 16), torch.zeros(3, dtype=torch.long))
+
+
+def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog) -> None:
+    """No compiler (and nothing cached): one warning, supports() is False, the model still runs."""
+    monkeypatch.setenv("SHARDSERVE_CC", "no-such-compiler-shardserve")
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path))
+    nk.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardserve.model.native_kernels"):
+            assert not nk.supports(torch.float32, torch.device("cpu"))
+        assert "no-such-compiler-shardserve" in caplog.text
+        assert "PyTorch path" in caplog.text
+    finally:
+        monkeypatch.undo()
+        nk.library.cache_clear()
+    assert nk.library() is not None
