@@ -4,9 +4,10 @@ One writer (this process) sends a numpy uint8 payload to 2 reader processes; eac
 small reply through its own channel; one step = send + both replies. For every transport and
 payload size we report median and p99 latency (us), steps/s, the CPU used during the timed
 steps (user+sys of all three processes / wall time, in cores), and, once per transport, the CPU
-each reader burns while blocked in its receive call for IDLE_S seconds.
+each reader burns while blocked in its receive call for IDLE_S seconds. All transports stay up and
+are measured in turn, --rounds times, each cell for --seconds; the rounds are pooled.
 
-    .venv/bin/python bench/ipc.py [--seconds 1.0]
+    .venv/bin/python bench/ipc.py [--rounds 4] [--seconds 0.25]
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
-def measure(tr: Transport, size: int, seconds: float) -> dict[str, float]:
+def measure(tr: Transport, size: int, seconds: float) -> dict[str, Any]:
+    """One timed cell: raw latencies (s), wall time and CPU seconds of all three processes."""
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     for _ in range(WARMUP):
         tr.step(payload)
@@ -227,11 +229,15 @@ def measure(tr: Transport, size: int, seconds: float) -> dict[str, float]:
         s = time.perf_counter()
         tr.step(payload)
         lat.append(time.perf_counter() - s)
-    wall = time.perf_counter() - t0
-    cores = (_cpu(everyone) - cpu0) / wall
-    lat.sort()
+    return {"lat": lat, "wall": time.perf_counter() - t0, "cpu": _cpu(everyone) - cpu0}
+
+
+def summarize(cells: list[dict[str, Any]]) -> dict[str, float]:
+    """Pool the rounds of one (transport, size): median/p99 over every step, CPU over all time."""
+    lat = sorted(x for c in cells for x in c["lat"])
+    wall = sum(c["wall"] for c in cells)
     return {"median": statistics.median(lat) * 1e6, "p99": lat[int(len(lat) * 0.99)] * 1e6,
-            "steps": len(lat) / wall, "cores": cores}
+            "steps": len(lat) / wall, "cores": sum(c["cpu"] for c in cells) / wall}
 
 
 def idle_cpu(tr: Transport) -> float:
@@ -243,24 +249,33 @@ def idle_cpu(tr: Transport) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds per size")
+    ap.add_argument("--seconds", type=float, default=0.25, help="timed seconds per cell")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds over every transport")
     ap.add_argument("--only", default="", help="comma-separated transport class names")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    results: dict[str, dict[int, dict[str, float]]] = {}
-    idle: dict[str, float] = {}
     only = set(args.only.split(",")) if args.only else None
-    for cls in (MQTransport, PipeTransport, ZMQTransport, QueueTransport):
-        if only and cls.__name__ not in only:
-            continue
-        tr = cls(ctx)
-        try:
-            results[cls.name] = {}
-            for s in SIZES:
-                results[cls.name][s] = measure(tr, s, args.seconds)
-                print(f"  {cls.name} {s} B: {results[cls.name][s]}", file=sys.stderr, flush=True)
-            idle[cls.name] = idle_cpu(tr)
-        finally:
+    classes = [c for c in (MQTransport, PipeTransport, ZMQTransport, QueueTransport)
+               if not only or c.__name__ in only]
+    # Every transport stays up (idle readers sleep) and the cells are taken in turn, round after
+    # round: this VM's speed drifts by tens of percent over a minute, and one-after-another runs
+    # would compare the drift, not the transports.
+    transports: list[Transport] = []
+    try:
+        for cls in classes:
+            transports.append(cls(ctx))
+        cells: dict[str, dict[int, list[dict[str, Any]]]] = {
+            tr.name: {s: [] for s in SIZES} for tr in transports}
+        for rnd in range(args.rounds):
+            for size in SIZES:
+                for tr in transports:
+                    cells[tr.name][size].append(measure(tr, size, args.seconds))
+            print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        results = {name: {s: summarize(c) for s, c in by_size.items()}
+                   for name, by_size in cells.items()}
+        idle = {tr.name: idle_cpu(tr) for tr in transports}
+    finally:
+        for tr in transports:
             tr.stop()
     report(results, idle)
 

@@ -354,9 +354,15 @@ class MessageQueue:
 
     # ---- waiting and closing -----------------------------------------------------------------
     def _sleep(self, addr: int, seen: int, timeout_s: float) -> None:
+        """Sleep on a ring word; announced, so the other side knows to send a wake-up."""
         self._wait_addr = addr
-        wakeup.futex_wait(addr, seen, timeout_s)
-        self._wait_addr = 0
+        ring = self._ring
+        ring.set_sleeping(self.rank, True)
+        try:
+            wakeup.futex_wait(addr, seen, timeout_s)
+        finally:
+            ring.set_sleeping(self.rank, False)
+            self._wait_addr = 0
 
     def _raise_if_closing(self) -> None:
         if self._closing:

@@ -5,7 +5,7 @@ One POSIX shared-memory file ``/dev/shm/shardserve-mq-<pid>-<random>`` per write
     offset 0            HEADER  (u64 words, padded to 64 B)
     +------------------------------------------------------------------------------+
     | magic | version | n_local | max_chunks | chunk_bytes | writer_pid | writer_start |
-    | writer_closed | reader[0]: pid, start, closed, - | ... | reader[n_local-1]: ...  |
+    | writer_closed | writer_sleeping | reader[0]: pid, start, closed, sleeping | ...  |
     +------------------------------------------------------------------------------+
     meta_off            CHUNK RECORDS  (u32 futex words, one 64 B-padded record per chunk)
     +------------------------------------------------------------------------------+
@@ -33,6 +33,14 @@ atomic read-modify-write is needed, the writer never has to reset reader flags (
 hazard), and a skipped or repeated message is impossible: both sides walk n upwards. Sleepers
 block on these very words with a futex (see wakeup.py); the header holds pids for liveness checks
 and names in log messages.
+
+Skipping needless wake-ups: a side about to sleep sets its ``sleeping`` word (writer_sleeping, or
+its reader record's) and clears it after; a side that stores a flag calls FUTEX_WAKE only if the
+other side's ``sleeping`` is set. That is the store-buffering pattern, safe only with a full fence
+between "store flag" and "load sleeping" on both sides: the sleeper's is the futex syscall (the
+kernel locks the futex bucket before comparing the word), the waker's is a locked instruction
+(``full_fence``). Where ordering is weaker than x86's we always wake. Each message then costs one
+syscall less per reader (a release nobody waits for), and none at all when nobody sleeps.
 """
 
 from __future__ import annotations
@@ -53,14 +61,14 @@ from shardserve.ipc.errors import ShmSpaceError
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shardserve-mq-"
 _MAGIC = 0x5348_4152_444D_5131  # "SHARDMQ1"
-_VERSION = 1
+_VERSION = 2
 _GEN_MASK = 0xFFFF_FFFF
 _WEAK_ORDERING = platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386")
 # header word indices (u64)
 _H_MAGIC, _H_VERSION, _H_N_LOCAL, _H_MAX_CHUNKS, _H_CHUNK_BYTES = 0, 1, 2, 3, 4
-_H_WRITER_PID, _H_WRITER_START, _H_WRITER_CLOSED = 5, 6, 7
-_H_READERS = 8  # then 4 words per local reader: pid, start, closed, reserved
-_R_PID, _R_START, _R_CLOSED = 0, 1, 2
+_H_WRITER_PID, _H_WRITER_START, _H_WRITER_CLOSED, _H_WRITER_SLEEPING = 5, 6, 7, 8
+_H_READERS = 9  # then 4 words per local reader: pid, start, closed, sleeping
+_R_PID, _R_START, _R_CLOSED, _R_SLEEPING = 0, 1, 2, 3
 
 
 def _align(n: int, a: int) -> int:
@@ -123,6 +131,7 @@ class ShmRing:
             for i in range(layout.max_chunks)
         ]
         self._fence_lock = threading.Lock()
+        self._sleeping_words = [_H_READERS + 4 * r + _R_SLEEPING for r in range(layout.n_local)]
         self._unlinked = not create
         self._finalizer = register_unlink(self, self.path) if create else None
         if create:
@@ -196,8 +205,15 @@ class ShmRing:
         idx = self.written_index(self.chunk_of(n))
         self.fence()  # payload stores before the flag store
         self.words[idx] = n & _GEN_MASK
-        if notify:
+        if notify and self._any_reader_sleeping():
             wakeup.futex_wake(self.addr(idx))
+
+    def _any_reader_sleeping(self) -> bool:
+        if _WEAK_ORDERING:
+            return True
+        self.full_fence()  # our flag store is visible before we look (see the module docstring)
+        h = self.hdr
+        return any(h[base] for base in self._sleeping_words)
 
     def is_written(self, n: int) -> bool:
         return self.words[self.written_index(self.chunk_of(n))] == n & _GEN_MASK
@@ -207,7 +223,22 @@ class ShmRing:
         idx = self.read_index(self.chunk_of(n), reader)
         self.fence()  # our loads of the payload complete before the writer may overwrite it
         self.words[idx] = n & _GEN_MASK
-        wakeup.futex_wake(self.addr(idx))
+        if _WEAK_ORDERING:
+            wakeup.futex_wake(self.addr(idx))
+            return
+        self.full_fence()
+        if self.hdr[_H_WRITER_SLEEPING]:
+            wakeup.futex_wake(self.addr(idx))
+
+    def set_sleeping(self, reader: int | None, sleeping: bool) -> None:
+        """Announce that the writer (reader None) or a reader is about to sleep, or woke up."""
+        word = _H_WRITER_SLEEPING if reader is None else _H_READERS + 4 * reader + _R_SLEEPING
+        self.hdr[word] = int(sleeping)
+
+    def full_fence(self) -> None:
+        """A full memory barrier: acquiring a lock executes a locked (serialising) instruction."""
+        with self._fence_lock:
+            pass
 
     # ---- participants ----------------------------------------------------------------------
     def register_reader(self, reader: int) -> None:
