@@ -269,8 +269,11 @@ def main() -> None:
         for rnd in range(args.rounds):
             for size in SIZES:
                 for tr in transports:
-                    cells[tr.name][size].append(measure(tr, size, args.seconds))
-            print(f"  round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+                    cell = measure(tr, size, args.seconds)
+                    cells[tr.name][size].append(cell)
+                    print(f"  round {rnd + 1}/{args.rounds} {tr.name} {size} B: median "
+                          f"{statistics.median(cell['lat']) * 1e6:.1f} us", file=sys.stderr,
+                          flush=True)
         results = {name: {s: summarize(c) for s, c in by_size.items()}
                    for name, by_size in cells.items()}
         idle = {tr.name: idle_cpu(tr) for tr in transports}
