@@ -21,6 +21,11 @@
 #define DT_F32 0
 #define DT_BF16 1
 
+/* Elementwise kernels use threads only from this many elements on: below it one thread takes
+ * ~10-20 us, and a parallel region costs more than it saves when a thread sleeps or is
+ * preempted (an mp worker shares the cores with the engine process). */
+#define PARALLEL_MIN (64 * 1024)
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -371,7 +376,7 @@ int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_
     const int vectorised = HAVE_AVX512 && D % 16 == 0;
     /* Round-robin, so a thread knows its next request and can prefetch that one's first slots
      * (the in-request prefetch only runs ahead within a request). */
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (B > 1)
     for (int64_t r = 0; r < B; r++) {
         const int64_t q_row = q_rows ? q_rows[r] : r;
         void *o = (char *)out + (size_t)(r * H * D) * esize;
@@ -465,7 +470,7 @@ int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const v
     const size_t esize = dtype == DT_F32 ? 4 : 2;
     float *scratch = malloc(sizeof(float) * (size_t)(N * num_threads));
     if (scratch == NULL) return -1;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T > 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * N >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         void *o = (char *)out + (size_t)(t * N) * esize;
         const void *xr = (const char *)x + (size_t)(t * x_stride) * esize;
@@ -492,7 +497,8 @@ int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const v
 int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
                  int64_t T, int64_t heads, int64_t D, int dtype, int num_threads) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T > 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (T * heads * D >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *cs = table + positions[t] * D;
         for (int64_t h = 0; h < heads; h++) {
@@ -525,7 +531,7 @@ int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const fl
  */
 int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= 16384)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         const char *g = (const char *)gate_up + (size_t)(t * 2 * I) * esize;
         const char *u = g + (size_t)I * esize;
