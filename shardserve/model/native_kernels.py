@@ -172,7 +172,9 @@ def decode_attention(
     if two != 2 or kv_dim != head_dim or num_heads % num_kv or q.dtype != kv_cache.dtype:
         raise ValueError(f"shape/dtype mismatch: q {tuple(q.shape)} {q.dtype}, "
                          f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    _check_int64(block_table=block_table, seq_lens=seq_lens, q_rows=q_rows)
     block_table = block_table.contiguous()
+    q_rows = None if q_rows is None else q_rows.contiguous()
     seq_lens = seq_lens.contiguous()
     out = torch.empty(b, num_heads * head_dim, dtype=q.dtype)
     rc = lib.decode_attention(
@@ -183,6 +185,13 @@ def decode_attention(
     )
     _check(rc, "decode_attention")
     return out
+
+
+def _check_int64(**indices: torch.Tensor | None) -> None:
+    """The C side reads these as int64 arrays: anything else would be misread, not converted."""
+    for name, t in indices.items():
+        if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be an int64 CPU tensor, got {t.dtype} on {t.device}")
 
 
 def _check(rc: int, name: str) -> None:
@@ -215,6 +224,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None
     t, heads, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d or not table.is_contiguous():
         raise ValueError("rope_ needs unit-stride heads and a contiguous table")
+    _check_int64(positions=positions)
     positions = positions.contiguous()
     rc = lib.rope_inplace(
         x.data_ptr(), x.stride(0), positions.data_ptr(), table.data_ptr(), t, heads, d,
@@ -249,6 +259,7 @@ def cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Te
     ):
         raise ValueError("cache_write needs a contiguous cache, dense kv rows of one slot's size "
                          "and equal dtypes")
+    _check_int64(slot_mapping=slot_mapping)
     slot_mapping = slot_mapping.contiguous()
     rc = lib.cache_write(kv_cache.data_ptr(), kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(),
                          t, slot_elems, _DTYPES[kv.dtype])

@@ -149,6 +149,11 @@ def test_bad_layouts_are_refused() -> None:
             torch.zeros(2, 4, 16), cache.transpose(0, 1), torch.zeros(2, 1, dtype=torch.long),
             torch.ones(2, dtype=torch.long),
         )
+    with pytest.raises(ValueError, match="seq_lens must be an int64"):
+        nk.decode_attention(
+            torch.zeros(2, 4, 16), cache, torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="one slot's size"):
         nk.cache_write(cache, torch.zeros(3, 2, 1, 16), torch.zeros(3, dtype=torch.long))
 
