@@ -71,6 +71,26 @@ static inline void axpy_f32(float *restrict y, float w, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += w * x[i];
 }
 
+/* Per-request scratch of decode attention, shared by both versions: the scaled float32 query
+ * qf [H, D], the output accumulators acc [H, D], each head's running max m [H] and sum l [H]. */
+static void start_request(float *qf, float *acc, float *m, float *l, const void *q, int64_t H,
+                          int64_t D, float scale, int dtype) {
+    load_f32(qf, q, H * D, dtype);
+    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
+    memset(acc, 0, sizeof(float) * (size_t)(H * D));
+    for (int64_t h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+}
+
+static void finish_request(void *out, float *acc, const float *l, int64_t H, int64_t D,
+                           int dtype) {
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
+    store_f32(out, acc, H * D, dtype);
+}
+
 /* Slots per online-softmax step: one AVX-512 vector of scores. */
 #define GROUP 16
 
@@ -257,14 +277,8 @@ static void decode_request_avx512(void *out, const void *q, const void *cache,
                                   float *scratch) {
     const int64_t G = H / Hkv;
     const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
-    float *qf = scratch, *acc = qf + H * D, *s = acc + H * D, *m = s + H * GROUP, *l = m + H;
-    load_f32(qf, q, H * D, dtype);
-    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
-    memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t h = 0; h < H; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-    }
+    float *qf = scratch, *acc = qf + H * D, *m = acc + H * D, *l = m + H, *s = l + H;
+    start_request(qf, acc, m, l, q, H, D, scale, dtype);
 #if defined(__AVX512BF16__)
     const int use_dp = dtype == DT_BF16 && D % 32 == 0;
 #endif
@@ -296,9 +310,7 @@ static void decode_request_avx512(void *out, const void *q, const void *cache,
                          slot0 + (size_t)((Hkv + kvh) * D) * esize, cnt, D, slot_bytes, dtype,
                          esize, G);
     }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
-    store_f32(out, acc, H * D, dtype);
+    finish_request(out, acc, l, H, D, dtype);
 }
 #else
 #define HAVE_AVX512 0
@@ -311,15 +323,9 @@ static void decode_request_scalar(void *out, const void *q, const void *cache,
                                   float *scratch) {
     const int64_t G = H / Hkv;
     const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
-    float *qf = scratch, *acc = qf + H * D, *row = acc + H * D, *m = row + D, *l = m + H;
-    float *score = l + H;
-    load_f32(qf, q, H * D, dtype);
-    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
-    memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t h = 0; h < H; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-    }
+    float *qf = scratch, *acc = qf + H * D, *m = acc + H * D, *l = m + H, *row = l + H;
+    float *score = row + D;
+    start_request(qf, acc, m, l, q, H, D, scale, dtype);
     for (int64_t t = 0; t < seq_len; t++) {
         const char *slot = (const char *)cache
                            + (size_t)(blocks[t / block_size] * block_size + t % block_size)
@@ -339,9 +345,7 @@ static void decode_request_scalar(void *out, const void *q, const void *cache,
             }
         }
     }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
-    store_f32(out, acc, H * D, dtype);
+    finish_request(out, acc, l, H, D, dtype);
 }
 
 /*
@@ -369,7 +373,8 @@ int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_
                      const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                      int64_t block_size, float scale, int dtype, int num_threads) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-    const int64_t per_thread = 2 * H * D + H * GROUP + 2 * H + D;
+    /* start_request's part, then the scores of a group (AVX-512) or a row and G scores */
+    const int64_t per_thread = 2 * H * D + 2 * H + H * GROUP + D + H;
     /* Allocated before the parallel region: every thread must reach the `omp for`. */
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads));
     if (scratch == NULL) return -1;
