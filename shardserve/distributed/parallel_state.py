@@ -38,6 +38,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         tensor = tensor.contiguous()
+        if self.shm is not None and (out := self.shm.all_gather(tensor, dim)) is not None:
+            return out
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)

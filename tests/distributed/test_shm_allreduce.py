@@ -1,4 +1,5 @@
-"""The shared-memory all-reduce sums exactly what gloo would, and leaves no segment behind."""
+"""The shared-memory all-reduce sums what gloo would (all-gather: exactly), and leaves no segment
+behind."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _run(rank: int, world: int, store: str, results) -> None:
     torch.manual_seed(rank)
     checks = []
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        for shape in ((1, 576), (32, 576), (7,), (600, 600)):  # the last exceeds a slot: gloo
+        for shape in ((1, 576), (32, 576), (7,), (1200, 1200)):  # the last exceeds a slot: gloo
             t = (torch.randn(shape) * 10).to(dtype)
             expected = t.clone()
             torch.distributed.all_reduce(expected)
@@ -32,6 +33,13 @@ def _run(rank: int, world: int, store: str, results) -> None:
                     torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=_ATOL[dtype])
                 )
             )
+    for shape in ((1, 100), (32, 24576), (7, 1200, 1200)):  # logits-sized; the last is gloo's
+        t = torch.randn(shape) + rank
+        parts = [torch.empty_like(t) for _ in range(world)]
+        torch.distributed.all_gather(parts, t)
+        for _ in range(3):
+            got = group.all_gather(t.clone(), dim=-1)
+        checks.append(bool(torch.equal(got, torch.cat(parts, dim=-1))))
     results[rank] = checks
     parallel_state.destroy_distributed()
 
