@@ -1,16 +1,16 @@
 """Server benchmark: N concurrent streaming clients against `shardserve serve`, beside offline
-`LLM.generate` on the same prompts, in one run (offline first, then the server; never together).
+`LLM.generate` on the same prompts, in one run (the phases take turns; never two at once).
 
     python bench/serve.py [--num-clients 32] [--num-requests 64] [--max-tokens 64]
-                          [--dtype auto] [--repeats 2] [--time-limit-s 150]
+                          [--dtype auto] [--repeats 3] [--time-limit-s 150]
 
 Offline runs twice: all prompts at once, and at most --num-clients at a time (the server's
 width), so the report separates the batch-size effect from the front end's cost.
 Loopback only; bounded in requests and time (the server phase is cancelled at --time-limit-s).
-Greedy, ignore_eos, so every request produces exactly --max-tokens tokens. Each phase runs
---repeats rounds and reports its fastest (the machine may be shared). Prints request
-throughput, output tokens/s, p50/p99 time to first token and inter-token latency (gaps between
-streamed chunks), and the server's throughput as a fraction of offline.
+Greedy, ignore_eos, so every request produces exactly --max-tokens tokens. The three phases
+take turns for --repeats rounds and each reports its fastest (the machine's speed drifts).
+Prints request throughput, output tokens/s, p50/p99 time to first token and inter-token
+latency (gaps between streamed chunks), and the server's throughput as a fraction of offline.
 """
 
 from __future__ import annotations
@@ -42,27 +42,28 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 # ---- offline ----
-def bench_offline(
-    args: argparse.Namespace, prompts: list[str], max_num_seqs: int | None = None
-) -> dict[str, float]:
-    from shardserve import LLM, SamplingParams
+class Offline:
+    """A warm in-process engine; `round()` times one generate of every prompt."""
 
-    options = engine_options(args)
-    if max_num_seqs is not None:
-        options["max_num_seqs"] = max_num_seqs
-    llm = LLM(args.model, **options)
-    try:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-        elapsed = float("inf")
-        for _ in range(args.repeats):  # best of: the machine may be shared
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = min(elapsed, time.perf_counter() - t0)
-    finally:
-        llm.shutdown()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed": elapsed, "tokens": tokens, "requests": len(outs)}
+    def __init__(self, args: argparse.Namespace, max_num_seqs: int | None = None) -> None:
+        from shardserve import LLM, SamplingParams
+
+        options = engine_options(args)
+        if max_num_seqs is not None:
+            options["max_num_seqs"] = max_num_seqs
+        self.llm = LLM(args.model, **options)
+        self.llm.generate(["warm-up"], SamplingParams(max_tokens=4), use_tqdm=False)
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    def round(self, prompts: list[str]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"elapsed": elapsed, "tokens": tokens, "requests": len(outs)}
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
 
 
 # ---- server ----
@@ -134,19 +135,13 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
     return result
 
 
-async def drive(url: str, prompts: list[str], clients: int, max_tokens: int, repeats: int
-                ) -> tuple[list[Result], float]:
-    """The best of `repeats` rounds (shortest wall time), after a warm-up request."""
-    best: tuple[list[Result], float] | None = None
+async def server_round(url: str, prompts: list[str], clients: int, max_tokens: int,
+                       warm_up: bool) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        await one_request(http, prompts[0], 4)
-        for _ in range(repeats):
-            results, elapsed = await one_round(http, prompts, clients, max_tokens)
-            if best is None or elapsed < best[1]:
-                best = (results, elapsed)
-    assert best is not None
-    return best
+        if warm_up:
+            await one_request(http, prompts[0], 4)
+        return await one_round(http, prompts, clients, max_tokens)
 
 
 async def one_round(http: httpx.AsyncClient, prompts: list[str], clients: int, max_tokens: int
@@ -165,18 +160,42 @@ async def one_round(http: httpx.AsyncClient, prompts: list[str], clients: int, m
     return results, time.perf_counter() - t0
 
 
-def bench_server(args: argparse.Namespace, prompts: list[str]) -> tuple[list[Result], float]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def run_rounds(args: argparse.Namespace, prompts: list[str]) -> tuple[dict, dict, tuple]:
+    """All three phases stay up and take turns, --repeats rounds, each keeping its fastest: this
+    VM's speed drifts by 10-50% within minutes, and phases run one after another would compare
+    the drift. Only one phase runs at a time; the idle ones sleep."""
+    port = free_port()
     proc = start_server(args, port)
+    engines: list[Offline] = []
     try:
-        return asyncio.run(asyncio.wait_for(
-            drive(f"http://127.0.0.1:{port}", prompts, args.num_clients, args.max_tokens,
-                  args.repeats),
-            args.time_limit_s))
+        engines.append(Offline(args))
+        # The server never has more than --num-clients requests in flight; offline at that width
+        # isolates the front end's cost from the batch-size effect.
+        engines.append(Offline(args, max_num_seqs=args.num_clients))
+        best_off, best_cap, best_srv = None, None, None
+        for r in range(args.repeats):
+            off, cap = engines[0].round(prompts), engines[1].round(prompts)
+            srv = asyncio.run(asyncio.wait_for(
+                server_round(f"http://127.0.0.1:{port}", prompts, args.num_clients,
+                             args.max_tokens, warm_up=r == 0),
+                args.time_limit_s))
+            print(f"round {r + 1}/{args.repeats}: offline {off['elapsed']:.2f} s, "
+                  f"{args.num_clients} at a time {cap['elapsed']:.2f} s, server {srv[1]:.2f} s",
+                  flush=True)
+            best_off = off if best_off is None or off["elapsed"] < best_off["elapsed"] else best_off
+            best_cap = cap if best_cap is None or cap["elapsed"] < best_cap["elapsed"] else best_cap
+            best_srv = srv if best_srv is None or srv[1] < best_srv[1] else best_srv
     finally:
+        for e in engines:
+            e.shutdown()
         stop_server(proc)
+    return best_off, best_cap, best_srv
 
 
 # ---- report ----
@@ -221,22 +240,12 @@ def main() -> None:
     parser.add_argument("--num-clients", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per phase; best counts")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per phase; best counts")
     parser.add_argument("--time-limit-s", type=float, default=150.0)
     args = parser.parse_args()
     prompts = make_prompts(args.num_requests)
-    print("offline phase ...", flush=True)
-    offline = bench_offline(args, prompts)
-    print(f"offline: {offline['tokens']} tokens in {offline['elapsed']:.2f} s", flush=True)
-    # The server never has more than --num-clients requests in flight; offline at that width
-    # isolates the front end's cost from the batch-size effect.
-    capped = bench_offline(args, prompts, max_num_seqs=args.num_clients)
-    print(f"offline, {args.num_clients} at a time: {capped['tokens']} tokens in "
-          f"{capped['elapsed']:.2f} s", flush=True)
-    print("server phase ...", flush=True)
-    results, elapsed = bench_server(args, prompts)
+    offline, capped, (results, elapsed) = run_rounds(args, prompts)
     report(args, offline, capped, results, elapsed)
-
 
 if __name__ == "__main__":
     main()
