@@ -378,7 +378,9 @@ int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_
     /* Allocated before the parallel region: every thread must reach the `omp for`. */
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads));
     if (scratch == NULL) return -1;
-    const int vectorised = HAVE_AVX512 && D % 16 == 0;
+#if HAVE_AVX512
+    const int vectorised = D % 16 == 0;
+#endif
     /* Round-robin, so a thread knows its next request and can prefetch that one's first slots
      * (the in-request prefetch only runs ahead within a request). */
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (B > 1)
