@@ -6,10 +6,11 @@ import logging
 
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.engine.kv_cache import KVCacheManager
-from shardserve.engine.messages import EngineCoreOutput
 from shardserve.engine.request import Request
 from shardserve.engine.scheduler import Scheduler
-from shardserve.executor.abstract import EngineDeadError, Executor
+from shardserve.errors import EngineDeadError
+from shardserve.executor.abstract import Executor
+from shardserve.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardserve.engine.messages import EngineCoreOutput
+from shardserve.messages import EngineCoreOutput
 from shardserve.outputs import CompletionOutput, Logprob, RequestOutput
 from shardserve.sampling_params import SamplingParams
 

@@ -12,14 +12,14 @@ from collections import deque
 
 from shardserve.config import SchedulerConfig
 from shardserve.engine.kv_cache import KVCacheManager
-from shardserve.engine.messages import (
+from shardserve.engine.request import Request, RequestStatus
+from shardserve.messages import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from shardserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:

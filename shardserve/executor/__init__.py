@@ -1,3 +1,4 @@
-from shardserve.executor.abstract import EngineDeadError, Executor
+from shardserve.errors import EngineDeadError
+from shardserve.executor.abstract import Executor
 
 __all__ = ["EngineDeadError", "Executor"]

@@ -16,7 +16,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from shardserve.config import EngineConfig, KVCacheConfig
-from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.errors import EngineDeadError
+from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,6 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "ray_v2": ("shardserve.executor.ray_v2", "RayExecutorV2"),
     "external_launcher": ("shardserve.executor.external_launcher", "ExternalLauncherExecutor"),
 }
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot serve any more requests: a worker died or the executor failed."""
 
 
 class Executor(ABC):

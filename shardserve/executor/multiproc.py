@@ -21,8 +21,8 @@ from typing import Any
 
 import psutil
 
-from shardserve.executor.abstract import EngineDeadError, Executor
-from shardserve.executor.rpc import SHUTDOWN, RpcRequest
+from shardserve.errors import EngineDeadError
+from shardserve.executor.abstract import Executor
 from shardserve.executor.rpc_channel import RpcChannel, WorkerHooks
 from shardserve.executor.worker_process import (
     WorkerHandle,
@@ -32,6 +32,7 @@ from shardserve.executor.worker_process import (
     wait_for_ready,
 )
 from shardserve.ipc import MessageQueue
+from shardserve.ipc.rpc import SHUTDOWN, RpcRequest
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.errors import EngineDeadError
 from shardserve.executor import ray_utils
-from shardserve.executor.abstract import EngineDeadError, Executor
+from shardserve.executor.abstract import Executor
 from shardserve.executor.ray_workers import RayWorkerGroup
+from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

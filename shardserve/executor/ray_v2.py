@@ -20,11 +20,12 @@ from typing import Any
 
 import ray
 
-from shardserve.executor.abstract import EngineDeadError, Executor
+from shardserve.errors import EngineDeadError
+from shardserve.executor.abstract import Executor
 from shardserve.executor.ray_workers import RayWorkerGroup
-from shardserve.executor.rpc import SHUTDOWN, RpcRequest
 from shardserve.executor.rpc_channel import RpcChannel, WorkerHooks
 from shardserve.ipc import Handle, MessageQueue
+from shardserve.ipc.rpc import SHUTDOWN, RpcRequest
 
 logger = logging.getLogger(__name__)
 

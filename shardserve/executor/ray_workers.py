@@ -23,8 +23,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardserve.config import EngineConfig
+from shardserve.errors import WorkerStartupError
 from shardserve.executor import ray_utils
-from shardserve.executor.worker_process import WorkerStartupError
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import torch
 
 from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.messages import GrammarOutput, SchedulerOutput
-from shardserve.executor.rpc import RemoteError
+from shardserve.errors import RemoteError
 from shardserve.ipc import Handle, MessageQueue
+from shardserve.messages import GrammarOutput, SchedulerOutput
 from shardserve.worker.worker import run_method
 from shardserve.worker.worker_main import ATTACH_TIMEOUT_S, run_busy_loop
 

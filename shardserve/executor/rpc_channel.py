@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve import envs
-from shardserve.executor.abstract import EngineDeadError
-from shardserve.executor.rpc import RpcReply, RpcRequest
+from shardserve.errors import EngineDeadError
 from shardserve.ipc import MessageQueue, QueueClosed
+from shardserve.ipc.rpc import RpcReply, RpcRequest
 
 logger = logging.getLogger(__name__)
 

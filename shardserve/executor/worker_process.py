@@ -23,15 +23,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from shardserve.config import EngineConfig
-from shardserve.executor.rpc import RemoteError
+from shardserve.errors import RemoteError, WorkerStartupError
 from shardserve.ipc import Handle
 from shardserve.worker.worker_main import WorkerProcArgs, worker_main
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerStartupError(RuntimeError):
-    """A worker process failed or died before reporting ready."""
 
 
 @dataclass

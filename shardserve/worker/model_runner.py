@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
-from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,

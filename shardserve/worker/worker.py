@@ -19,7 +19,7 @@ import torch
 from shardserve import envs
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
-from shardserve.engine.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shardserve.config import EngineConfig
-from shardserve.executor.rpc import SHUTDOWN, RemoteError, RpcReply, RpcRequest
+from shardserve.errors import RemoteError
 from shardserve.ipc import Handle, MessageQueue, QueueClosed
+from shardserve.ipc.rpc import SHUTDOWN, RpcReply, RpcRequest
 from shardserve.worker.worker import run_method
 
 logger = logging.getLogger(__name__)

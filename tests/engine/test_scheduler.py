@@ -16,9 +16,9 @@ import pytest
 
 from shardserve.config import SchedulerConfig
 from shardserve.engine.kv_cache import KVCacheManager
-from shardserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.engine.request import Request
 from shardserve.engine.scheduler import Scheduler
+from shardserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.sampling_params import SamplingParams
 
 TOKEN = 7

@@ -13,9 +13,9 @@ from ray_helpers import assert_no_ray_processes, our_segments, ray_env  # noqa: 
 
 from shardserve import LLM, SamplingParams  # noqa: E402
 from shardserve.config import ParallelConfig  # noqa: E402
-from shardserve.engine.messages import ModelRunnerOutput  # noqa: E402
 from shardserve.executor import ray_utils  # noqa: E402
 from shardserve.executor.ray_distributed import detach, use_compiled_graph  # noqa: E402
+from shardserve.messages import ModelRunnerOutput  # noqa: E402
 
 
 def test_actor_names_are_predictable():

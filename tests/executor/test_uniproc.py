@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from shardserve.config import EngineConfig, KVCacheConfig
-from shardserve.engine.messages import (
+from shardserve.executor import Executor
+from shardserve.executor.uniproc import UniProcExecutor
+from shardserve.messages import (
     CachedRequestData,
     GrammarOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from shardserve.executor import Executor
-from shardserve.executor.uniproc import UniProcExecutor
 from shardserve.sampling_params import SamplingParams
 
 

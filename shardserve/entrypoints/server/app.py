@@ -27,7 +27,7 @@ from shardserve.entrypoints.server.protocol import (
     error_body,
 )
 from shardserve.entrypoints.server.serving import OpenAIServing
-from shardserve.executor.abstract import EngineDeadError
+from shardserve.errors import EngineDeadError
 
 
 def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],

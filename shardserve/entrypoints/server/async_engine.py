@@ -26,18 +26,18 @@ import zmq
 import zmq.asyncio
 
 from shardserve.config import EngineConfig
-from shardserve.engine.llm_engine import LLMEngine, _child_params
-from shardserve.engine.output_processor import OutputProcessor
-from shardserve.engine.request import Request
-from shardserve.entrypoints.server.engine_proc import (
+from shardserve.engine.core_proc import (
     EngineAddresses,
     EngineOutputs,
     EngineRequest,
     SchedulerStats,
     run_engine_core,
 )
+from shardserve.engine.llm_engine import LLMEngine, _child_params
+from shardserve.engine.output_processor import OutputProcessor
+from shardserve.engine.request import Request
 from shardserve.entrypoints.server.metrics import ServerMetrics
-from shardserve.executor.abstract import EngineDeadError
+from shardserve.errors import EngineDeadError
 from shardserve.model.loader import load_tokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams

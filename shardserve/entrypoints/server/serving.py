@@ -26,7 +26,7 @@ from shardserve.entrypoints.server.protocol import (
     ServerError,
     error_body,
 )
-from shardserve.executor.abstract import EngineDeadError
+from shardserve.errors import EngineDeadError
 from shardserve.outputs import CompletionOutput, RequestOutput
 from shardserve.sampling_params import SamplingParams
 

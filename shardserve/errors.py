@@ -1,39 +1,23 @@
-"""The messages of collective_rpc between an executor and its worker processes.
+"""Errors that cross layers: raised in one layer, caught or re-raised in another.
 
-    executor ──RpcRequest──▶ broadcast MessageQueue ──▶ every rank's busy loop
-    executor ◀──RpcReply─── one response MessageQueue per rank ◀──┘
-
-Every reply carries the id of the call it answers, so a reply that arrives after its call timed
-out or failed is recognised and dropped instead of being returned to a later call.
+A leaf module (it imports nothing of shardserve), so the engine, the executors, the workers and
+the server can all use these without importing each other.
 """
 
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import cloudpickle
 
-SHUTDOWN = "__shutdown__"  # the method name that ends a worker's busy loop
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more requests: a worker died or the executor failed."""
 
 
-@dataclass
-class RpcRequest:
-    call_id: int
-    method: str | bytes  # a Worker method name, or a cloudpickled callable(worker, ...)
-    args: tuple
-    kwargs: dict[str, Any]
-    # Only this rank replies on success (None: every rank); a failure always replies.
-    reply_rank: int | None = None
-
-    @staticmethod
-    def encode_method(method: str | Callable[..., Any]) -> str | bytes:
-        return method if isinstance(method, str) else cloudpickle.dumps(method)
-
-    def decode_method(self) -> str | Callable[..., Any]:
-        return self.method if isinstance(self.method, str) else cloudpickle.loads(self.method)
+class WorkerStartupError(RuntimeError):
+    """A worker process failed or died before reporting ready."""
 
 
 @dataclass
@@ -81,9 +65,3 @@ class RemoteTraceback(Exception):
         return f'\n"""\n{self.tb}"""'
 
 
-@dataclass
-class RpcReply:
-    call_id: int
-    rank: int
-    value: Any = None
-    error: RemoteError | None = None

@@ -28,8 +28,8 @@ import zmq
 
 from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.messages import EngineCoreOutput
 from shardserve.engine.request import Request
+from shardserve.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
