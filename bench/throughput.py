@@ -1,12 +1,23 @@
 """Offline throughput: shardserve vs HF transformers on the default model, in one run.
 
     python bench/throughput.py [--num-prompts 64] [--max-tokens 128] [--dtypes float32,bfloat16]
-                               [--rounds 2]
+                               [--widths 32,64] [--rounds 3]
 
-Prints, per dtype, output tokens/s of shardserve (all prompts at once, continuous batching) and of
-HF transformers' batched `generate` (batch 32, left padding), with the ratio; then batch-1 decode
-tokens/s beside the memory-bandwidth bound (weight bytes / measured copy bandwidth). The two
-engines are measured in turn, --rounds times (default 2), and each keeps its best round.
+For every dtype and batch width w (--widths): output tokens/s of shardserve with max_num_seqs=w
+(continuous batching over all prompts) and of HF transformers' batched `generate` in batches of
+w (left padding), greedy, exactly --max-tokens new tokens per prompt. Then shardserve's batch-1
+decode tokens/s beside a memory-bandwidth bound: weight bytes / read bandwidth, where the read
+bandwidth is the best of 3 `sum()` over a 512 MiB float32 buffer (16x this VM's L3 cache),
+measured in the same round just before that decode.
+
+How the ratios are computed: both sides get the same warm-up (one untimed run of the same
+prompts at the same width with 4 new tokens) before the rounds. Then, --rounds times, at each
+width shardserve and HF run back to back (which goes first alternates from round to round), and
+the ratio shardserve / HF is taken within that round; the table shows the median of the
+per-round ratios and their range. The tok/s columns are medians over the rounds, and "of bound"
+is the median of the per-round decode / bound. (Before, HF ran at batch 32 only, only shardserve
+was warmed up, and each side's best round was compared; the bound used a copy bandwidth measured
+once at the start.)
 """
 
 from __future__ import annotations
@@ -16,64 +27,40 @@ import gc
 import time
 
 import torch
+from _rounds import Rounds, make_prompts, median_or_nan, rotated, spread, timed
 
 from shardserve import LLM, SamplingParams
 from shardserve.model.loader import default_model_path
 
-TOPICS = [
-    "the ocean",
-    "a city at night",
-    "machine learning",
-    "an old library",
-    "mountains",
-    "a chess game",
-    "the history of bread",
-    "volcanoes",
-]
-STYLES = ["Write a story about", "Explain to a child", "List facts about", "Describe"]
+WARMUP_TOKENS = 4
+DECODE_STEPS = 64
+BW_BUFFER_FLOATS = 128 * 2**20  # 512 MiB of float32
 
 
-def make_prompts(n: int) -> list[str]:
-    return [f"{STYLES[i % len(STYLES)]} {TOPICS[(i // 4) % len(TOPICS)]} (#{i}):" for i in range(n)]
+def read_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes read per second by a reduction over `buf` (best of `repeats`)."""
+    best = min(timed(buf.sum) for _ in range(repeats))
+    return buf.numel() * buf.element_size() / best
 
 
-def copy_bandwidth() -> float:
-    """Bytes copied per second by a large tensor copy (best of 5)."""
-    src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * src.element_size() / best
-
-
-def shardserve_round(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, float]:
-    """One timed 64 x 128 generate and one batch-1 decode measurement on a warm engine."""
+def ours_tok_s(llm: LLM, prompts: list[str], max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Batch-1 decode: the difference between a long and a 1-token generation isolates decode.
-    one = [prompts[0]]
-    t1 = _timed(lambda: llm.generate(one, SamplingParams(max_tokens=1), use_tqdm=False))
-    tn = _timed(
-        lambda: llm.generate(
-            one, SamplingParams(max_tokens=65, ignore_eos=True, temperature=0), use_tqdm=False
-        )
-    )
-    return {"tok_s": tokens / elapsed, "decode1": 64 / (tn - t1)}
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def decode1(llm: LLM, prompt: str, steps: int = DECODE_STEPS) -> float:
+    """Batch-1 decode tokens/s: a (1 + steps)-token minus a 1-token generation isolates decode."""
+    one = [prompt]
+    t1 = timed(lambda: llm.generate(one, SamplingParams(max_tokens=1), use_tqdm=False))
+    params = SamplingParams(max_tokens=1 + steps, ignore_eos=True, temperature=0)
+    tn = timed(lambda: llm.generate(one, params, use_tqdm=False))
+    return steps / (tn - t1)
 
 
-def bench_hf(model, tokenizer, prompts: list[str], max_tokens: int, batch: int = 32) -> float:
+def hf_tok_s(model, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> float:
     tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -104,24 +91,101 @@ def load_hf():
     return model, tok
 
 
-def bench_dtype(dtype: str, hf_model, hf_tok, prompts: list[str], args) -> tuple[dict, float]:
-    """Both engines in turn, --rounds times, best of each: this VM's speed drifts by +-10% over
-    minutes, and one engine measured after the other would compare the drift, not the engines."""
-    llm = LLM(dtype=dtype, max_model_len=1024, max_num_seqs=128)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for p in llm.engine.core.executor.worker.model_runner.model.parameters()
+class DtypeBench:
+    """One shardserve engine per width and the HF model in this dtype, all warm."""
+
+    def __init__(self, dtype: str, hf_model, hf_tok, prompts: list[str], args) -> None:
+        self.prompts, self.args, self.hf_tok = prompts, args, hf_tok
+        self.widths = [int(w) for w in args.widths.split(",")]
+        self.hf = hf_model.to(getattr(torch, dtype))
+        self.engines = {
+            w: LLM(dtype=dtype, max_model_len=1024, max_num_seqs=w) for w in self.widths
+        }
+        runner = self.engines[self.widths[0]].engine.core.executor.worker.model_runner
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        for w in self.widths:  # the same untimed short run for each side, at each width
+            ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS)
+            hf_tok_s(self.hf, hf_tok, prompts, WARMUP_TOKENS, w)
+        decode1(self.engines[self.widths[-1]], prompts[0], steps=4)
+
+    def round(self, r: int, samples: Rounds, buf: torch.Tensor) -> None:
+        """Each width: both sides back to back (alternating order); then bandwidth + decode."""
+        n = self.args.max_tokens
+        sides = {
+            "ours": lambda w: ours_tok_s(self.engines[w], self.prompts, n),
+            "hf": lambda w: hf_tok_s(self.hf, self.hf_tok, self.prompts, n, w),
+        }
+        for w in self.widths:
+            for side in rotated(["ours", "hf"], r):
+                samples.add((side, w), sides[side](w))
+        bw = read_bandwidth(buf)
+        tok_s = decode1(self.engines[self.widths[-1]], self.prompts[0])
+        samples.add("bw", bw)
+        samples.add("decode1", tok_s)
+        samples.add("of_bound", tok_s / (bw / self.weight_bytes))
+        line = ", ".join(
+            f"b={w} {samples.values(('ours', w))[-1]:.0f} vs "
+            f"{samples.values(('hf', w))[-1]:.0f} tok/s"
+            for w in self.widths
+        )
+        print(
+            f"  round {r + 1}/{self.args.rounds}: {line}; b=1 decode {tok_s:.1f} tok/s, "
+            f"read {bw / 1e9:.1f} GB/s",
+            flush=True,
+        )
+
+    def shutdown(self) -> None:
+        for llm in self.engines.values():
+            llm.shutdown()
+
+
+def bench_dtype(
+    dtype: str, hf_model, hf_tok, prompts: list[str], args, buf: torch.Tensor
+) -> tuple[Rounds, int]:
+    print(f"{dtype}:", flush=True)
+    bench = DtypeBench(dtype, hf_model, hf_tok, prompts, args)
+    samples = Rounds()
+    try:
+        for r in range(args.rounds):
+            bench.round(r, samples, buf)
+    finally:
+        bench.shutdown()
+    return samples, bench.weight_bytes
+
+
+def report(rows: list[tuple[str, Rounds, int]], widths: list[int], args) -> None:
+    print(
+        f"\n{args.num_prompts} prompts x {args.max_tokens} new tokens, default model, "
+        f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds; "
+        "ratio = median of per-round shardserve / HF (range)"
     )
-    model = hf_model.to(getattr(torch, dtype))
-    ours = {"tok_s": 0.0, "decode1": 0.0}
-    theirs = 0.0
-    for _ in range(args.rounds):
-        r = shardserve_round(llm, prompts, args.max_tokens)
-        ours = {k: max(ours[k], r[k]) for k in ours}
-        theirs = max(theirs, bench_hf(model, hf_tok, prompts, args.max_tokens))
-    llm.shutdown()
-    return {**ours, "weight_bytes": weight_bytes}, theirs
+    print(
+        f"{'dtype':<10}{'width':>6}{'shardserve tok/s':>18}{'HF tok/s':>10}{'ratio':>8}"
+        f"{'range':>12}"
+    )
+    for dtype, s, _ in rows:
+        for w in widths:
+            ratios = s.ratios(("ours", w), ("hf", w))
+            print(
+                f"{dtype:<10}{w:>6}{s.median(('ours', w)):>18.1f}{s.median(('hf', w)):>10.1f}"
+                f"{median_or_nan(ratios):>7.2f}x{spread(ratios):>12}"
+            )
+    print(
+        "\nbatch-1 decode vs the memory-bandwidth bound (weight bytes / read bandwidth of the "
+        "same round); medians over rounds"
+    )
+    print(
+        f"{'dtype':<10}{'weights MB':>11}{'read GB/s':>11}{'b=1 decode tok/s':>18}"
+        f"{'bound tok/s':>13}{'of bound':>10}{'range':>12}"
+    )
+    for dtype, s, weight_bytes in rows:
+        bound = s.median("bw") / weight_bytes
+        of_bound = s.values("of_bound")
+        print(
+            f"{dtype:<10}{weight_bytes / 1e6:>11.0f}{s.median('bw') / 1e9:>11.1f}"
+            f"{s.median('decode1'):>18.1f}{bound:>13.1f}{median_or_nan(of_bound):>9.0%}"
+            f"{spread([100 * x for x in of_bound], '.0f') + '%':>12}"
+        )
 
 
 def main() -> None:
@@ -129,30 +193,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best of each")
+    ap.add_argument("--widths", default="32,64", help="batch widths, both sides (max_num_seqs)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median ratio")
     args = ap.parse_args()
     prompts = make_prompts(args.num_prompts)
-    torch.set_num_threads(torch.get_num_threads())
-    bw = copy_bandwidth()
+    buf = torch.ones(BW_BUFFER_FLOATS, dtype=torch.float32)
     hf_model, hf_tok = load_hf()
     rows = []
     for dtype in args.dtypes.split(","):
-        rows.append((dtype, *bench_dtype(dtype, hf_model, hf_tok, prompts, args)))
+        rows.append((dtype, *bench_dtype(dtype, hf_model, hf_tok, prompts, args, buf)))
         gc.collect()
-    print(
-        f"\n{args.num_prompts} prompts x {args.max_tokens} new tokens, default model, "
-        f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s"
-    )
-    print(
-        f"{'dtype':<10}{'shardserve tok/s':>18}{'HF tok/s (b=32)':>18}{'ratio':>8}"
-        f"{'b=1 decode tok/s':>18}{'bound tok/s':>13}{'of bound':>10}"
-    )
-    for dtype, ours, theirs in rows:
-        bound = bw / ours["weight_bytes"]
-        print(
-            f"{dtype:<10}{ours['tok_s']:>18.1f}{theirs:>18.1f}{ours['tok_s'] / theirs:>7.2f}x"
-            f"{ours['decode1']:>18.1f}{bound:>13.1f}{ours['decode1'] / bound:>9.0%}"
-        )
+    report(rows, [int(w) for w in args.widths.split(",")], args)
 
 
 if __name__ == "__main__":
