@@ -11,8 +11,11 @@ Build: `gcc -O3 -march=native -fopenmp -shared` (compiler: SHARDSERVE_CC) into a
 (SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the source, the flags, the
 compiler and the CPU's flags, so an edit, another compiler or another CPU gets its own library.
 The library is written to a temporary name and renamed, so processes building at once never load
-a half-written file. Where the build fails (no compiler) every caller falls back to the PyTorch
-path, with one warning; SHARDSERVE_NATIVE_KERNELS=0 forces that fallback.
+a half-written file. Without a compiler every caller falls back to the PyTorch path, with one
+warning; SHARDSERVE_NATIVE_KERNELS=0 forces that fallback. A compiler that is present but fails
+(a broken source, a missing header) also falls back, but logs an error with the compiler's
+output: that is a defect, and the tests fail on it (they skip only where `compiler_available()`
+is False).
 
 Float16 and non-CPU tensors always take the PyTorch path."""
 
@@ -37,7 +40,7 @@ from shardserve import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 _FLAGS = (
@@ -57,21 +60,39 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and (_override or library()) is not None
 
 
+def compiler_available() -> bool:
+    """Whether the compiler the build would use (SHARDSERVE_CC, default gcc) is on PATH."""
+    return shutil.which(envs.compiler()) is not None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel library built for this CPU, or None where it is disabled or cannot be built."""
     if not envs.native_kernels():
         return None
+    if not compiler_available():
+        logger.warning(
+            "native CPU kernels unavailable (no C compiler %r on PATH, SHARDSERVE_CC); "
+            "using the PyTorch path", envs.compiler(),
+        )
+        return None
     try:
         return build_library(NATIVE_ARCH)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("native CPU kernels unavailable (%s); using the PyTorch path", e)
+        # The model still runs (PyTorch path), but a compiler that cannot build our own source
+        # is a bug to fix, not an environment to accept: hence an error, not a warning.
+        logger.error("native CPU kernels failed to build (%s); using the PyTorch path", e)
         return None
 
 
-def build_library(arch_flags: tuple[str, ...]) -> ctypes.CDLL:
-    """Build (or find in the cache) and load the kernels compiled with `arch_flags`."""
-    lib = ctypes.CDLL(str(_build(arch_flags)))
+def build_library(
+    arch_flags: tuple[str, ...], *, source: Path | None = None, cache_dir: Path | None = None
+) -> ctypes.CDLL:
+    """Build (or find in the cache) and load the kernels compiled with `arch_flags`.
+
+    Raises RuntimeError (with the compiler's output) where the build fails. `source` and
+    `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others."""
+    lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     return lib
 
@@ -87,16 +108,16 @@ def using(lib: ctypes.CDLL) -> Iterator[None]:
         _override = previous
 
 
-def _build(arch_flags: tuple[str, ...]) -> Path:
+def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | None) -> Path:
     compiler = shutil.which(envs.compiler())
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
     ).hexdigest()[:16]
-    cache = Path(envs.cache_dir()) / "kernels"
+    cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -104,7 +125,7 @@ def _build(arch_flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, str(_SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, str(source_path), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")

@@ -2,11 +2,17 @@
 
 The references are written out here in the simplest PyTorch (a loop over requests, float32
 softmax), not taken from the engine's own fallback path, so a shared mistake cannot hide.
+
+These tests skip only where no compiler exists. A compiler that fails to build the source makes
+`library()` None too, and that must fail here (the kernel tests call into a missing library, and
+test_c_path_loads_where_a_compiler_exists says why), never turn into a skip.
 """
 
 from __future__ import annotations
 
 import logging
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +20,22 @@ import torch.nn.functional as F
 
 from shardserve.model import native_kernels as nk
 
-pytestmark = pytest.mark.skipif(nk.library() is None, reason="no C compiler: PyTorch path only")
+pytestmark = pytest.mark.skipif(
+    not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_enabled(monkeypatch):
+    """The C path under test, whatever SHARDSERVE_NATIVE_KERNELS says in the caller's shell."""
+    monkeypatch.delenv("SHARDSERVE_NATIVE_KERNELS", raising=False)
+    nk.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    nk.library.cache_clear()
 
 
 @pytest.fixture(params=["native", "portable"])
@@ -172,3 +190,42 @@ def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog)
         monkeypatch.undo()
         nk.library.cache_clear()
     assert nk.library() is not None
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the C kernels are tuned for x86-64"
+)
+def test_c_path_loads_where_a_compiler_exists() -> None:
+    """With a compiler on an x86-64 CPU the model must run C: a None here is a build failure
+    (its compiler output is in the log), not an environment without C."""
+    assert nk.library() is not None, "the C kernels failed to build; see the logged error"
+    for dtype in DTYPES:
+        assert nk.supports(dtype, torch.device("cpu"))
+
+
+def _broken_copy(folder: Path) -> Path:
+    broken = folder / "cpu_kernels.c"
+    broken.write_text(nk.SOURCE.read_text() + "\nint shardserve_broken(void) { return 1 }\n")
+    return broken
+
+
+def test_a_broken_source_is_a_build_error(tmp_path) -> None:
+    """A compile error raises with the compiler's message, and nothing is cached for it."""
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match=r"(?s)failed:.*error.*shardserve_broken"):
+        nk.build_library(nk.PORTABLE_ARCH, source=_broken_copy(tmp_path), cache_dir=cache)
+    assert list(cache.rglob("*.so")) == []
+    # The same call on the real source builds: the failure above was the source's.
+    assert nk.build_library(nk.PORTABLE_ARCH, cache_dir=cache) is not None
+
+
+def test_a_failed_build_is_logged_as_an_error(monkeypatch, tmp_path, caplog) -> None:
+    """library() still falls back (the model runs), but says so at ERROR with gcc's output."""
+    monkeypatch.setattr(nk, "SOURCE", _broken_copy(tmp_path))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    nk.library.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="shardserve.model.native_kernels"):
+        assert nk.library() is None
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "failed to build" in errors[0].getMessage()
+    assert "shardserve_broken" in errors[0].getMessage()  # the compiler's diagnostic
