@@ -250,8 +250,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks + decodes)."""
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
+    """Plan step N+1 while step N runs (two steps in flight); the workers feed each request the
+    token they sampled themselves. Outputs equal the synchronous engine's."""
 
     def __post_init__(self) -> None:
+        _check(
+            isinstance(self.async_scheduling, bool),
+            f"async_scheduling={self.async_scheduling!r} must be True or False",
+        )
         _check(
             isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
             f"max_num_seqs={self.max_num_seqs!r} must be an int >= 1",

@@ -1,8 +1,22 @@
-"""EngineCore: the scheduler and the executor, stepped together. Token ids in, token ids out."""
+"""EngineCore: the scheduler and the executor, stepped together. Token ids in, token ids out.
+
+The batch queue: up to `executor.max_concurrent_batches` steps in flight (2 with asynchronous
+scheduling, 1 without), completed in submission order.
+
+    step():  schedule N+1 ──submit──▶ executor (execute_model + sample_tokens, non-blocking)
+             queue full or nothing to add? ──▶ wait for the oldest step N ──▶ fold its tokens in
+
+With two in flight the workers start step N+1 the moment step N ends, while this process folds
+N's tokens in and plans N+2. The scheduler counts scheduled tokens as computed at once (see
+scheduler.py), so it never schedules a token that is already in flight.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.engine.kv_cache import KVCacheManager
@@ -10,9 +24,28 @@ from shardserve.engine.request import Request
 from shardserve.engine.scheduler import Scheduler
 from shardserve.errors import EngineDeadError
 from shardserve.executor.abstract import Executor
-from shardserve.messages import EngineCoreOutput
+from shardserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# How long a failed engine waits for each remaining in-flight step to resolve (they fail fast
+# once the executor has failed; this only bounds a backend that does not).
+_DRAIN_TIMEOUT_S = 5.0
+
+
+@dataclass
+class _InFlight:
+    """One submitted step: its plan and the futures of its two calls."""
+
+    scheduler_output: SchedulerOutput
+    executed: Future  # execute_model: its value is unused, but its error must not be lost
+    sampled: Future  # sample_tokens: the output rank's ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        # Both calls complete in submission order: by the time `sampled` is done, `executed` is.
+        output = self.sampled.result()
+        self.executed.result()
+        return output
 
 
 class EngineCore:
@@ -31,6 +64,8 @@ class EngineCore:
             config.model_config.max_model_len,
         )
         self.dead = False
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue: deque[_InFlight] = deque()
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         cache = self.config.cache_config
@@ -63,23 +98,57 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # Steps still in flight count: their results must be collected (and maybe discarded).
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule one batch, run it on every worker, and fold the sampled tokens back in."""
+        """Submit the next batch if there is room; then, if the queue is full or nothing more
+        could be added, wait for the oldest batch and return its outputs (else [])."""
         if self.dead:
             raise EngineDeadError("the engine failed earlier and cannot run more steps")
-        if not self.scheduler.has_unfinished_requests():
+        if len(self.batch_queue) < self.max_concurrent_batches and self._submit_next():
+            if len(self.batch_queue) < self.max_concurrent_batches:
+                return []  # room for one more: plan it before waiting
+        if not self.batch_queue:
             return []
-        scheduler_output = self.scheduler.schedule()
+        flight = self.batch_queue.popleft()
         try:
-            self.executor.execute_model(scheduler_output)
-            model_output = self.executor.sample_tokens(None)
+            model_output = flight.result()
         except BaseException:
             # The workers' request state may now disagree with the scheduler's: stop for good.
-            self.dead = True
+            self._fail_in_flight()
             raise
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        return self.scheduler.update_from_output(flight.scheduler_output, model_output)
+
+    def _submit_next(self) -> bool:
+        """Schedule a batch and submit both of its calls without waiting; False if empty."""
+        if not self.scheduler.has_unfinished_requests():
+            return False
+        so = self.scheduler.schedule()
+        if so.total_num_scheduled_tokens == 0 and not (
+            so.finished_req_ids or so.preempted_req_ids
+        ):
+            return False  # everything runnable is in flight already
+        try:
+            executed = self.executor.execute_model(so, non_block=True)
+            sampled = self.executor.sample_tokens(None, non_block=True)
+        except BaseException:
+            self._fail_in_flight()
+            raise
+        self.batch_queue.append(_InFlight(so, executed, sampled))
+        return True
+
+    def _fail_in_flight(self) -> None:
+        """Mark the engine dead and resolve every step still in flight (each fails or ends
+        within a bound), so no future is left waiting on a dead executor."""
+        self.dead = True
+        while self.batch_queue:
+            flight = self.batch_queue.popleft()
+            for future in (flight.executed, flight.sampled):
+                try:
+                    future.result(timeout=_DRAIN_TIMEOUT_S)
+                except BaseException:  # expected: the step failed with the engine
+                    pass
 
     def sleep(self, level: int = 1) -> None:
         if self.has_unfinished_requests():
@@ -88,7 +157,10 @@ class EngineCore:
         self.executor.sleep(level)
 
     def _flush_finished(self) -> None:
-        """Tell the workers about requests that finished after the last step."""
+        """Collect steps still in flight, then tell the workers about requests that finished
+        after the last step."""
+        while self.batch_queue:
+            self.step()
         sched = self.scheduler.schedule()
         if sched.finished_req_ids:
             self.executor.execute_model(sched)

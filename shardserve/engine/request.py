@@ -31,8 +31,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V are in the cache. A token is sampled when this reaches num_tokens.
+    # Tokens whose K/V are in the cache or scheduled to be (advanced at scheduling time).
     num_computed_tokens: int = 0
+    # Tokens scheduled to be sampled whose ids are not back yet (see scheduler.py).
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 

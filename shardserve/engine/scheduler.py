@@ -4,6 +4,16 @@ Each step spends a token budget (`max_num_batched_tokens`) first on running requ
 per decode, a chunk for an unfinished prefill), then admits waiting requests in arrival order.
 When the block pool runs dry, the most recently admitted running request is preempted: its blocks
 are freed and it is recomputed from scratch later (preemption by recompute).
+
+Asynchronous scheduling: a request's `num_computed_tokens` advances when its tokens are
+*scheduled*, not when the step returns, so a step can be planned while earlier ones still run and
+no token is ever scheduled twice. A scheduled step that completes a request's known tokens will
+sample one more, whose id the scheduler learns only later: it is counted in
+`num_output_placeholders` until `update_from_output` replaces it with the real token. The next
+step may already compute that placeholder (the workers feed each request the token they sampled
+themselves), so with two batches in flight the model never waits for the engine. A request is
+never scheduled past its limits (max_tokens, max_model_len) counting its placeholders; a request
+found finished late (EOS, stop token, abort) has the tokens still in flight for it discarded.
 """
 
 from __future__ import annotations
@@ -86,7 +96,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(self._num_new_tokens(request), budget)
+            if n <= 0:  # everything it may compute is in flight already
+                i += 1
+                continue
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             if new_blocks is None:
                 # The newest admitted request goes first. It sits at index >= i, so it has not
@@ -99,15 +112,36 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_tokens[request.request_id] = n
+            self._advance(request, n)
             budget -= n
             i += 1
         return budget
+
+    def _num_new_tokens(self, request: Request) -> int:
+        """Tokens a running request can compute now: known ones and in-flight placeholders
+        not yet scheduled, unless the token in flight is already its last one."""
+        placeholders = request.num_output_placeholders
+        if placeholders and (
+            len(request.output_token_ids) + placeholders >= request.max_output_tokens
+            or request.num_tokens + placeholders >= self.max_model_len
+        ):
+            return 0
+        return request.num_tokens + placeholders - request.num_computed_tokens
+
+    @staticmethod
+    def _advance(request: Request, n: int) -> None:
+        """Count n scheduled tokens as computed; a step that reaches the end samples one more."""
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
 
     def _schedule_waiting(
         self, budget: int, num_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once that token is known
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -128,6 +162,7 @@ class Scheduler:
                 )
             )
             num_tokens[request.request_id] = n
+            self._advance(request, n)
             budget -= n
 
     def _preempt(self, request: Request) -> None:
@@ -142,15 +177,17 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        for rid, n in sched.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
-            if request is not None and not request.status.is_finished:
-                request.num_computed_tokens += n
+        """Fold one step's sampled tokens in (steps complete in the order they were scheduled).
+
+        A preempted request still takes the token sampled for it before the preemption (it was
+        computed from the right context), so preemption never changes what a request outputs.
+        """
         outputs = []
         for j, rid in enumerate(output.req_ids):
             request = self.requests.get(rid)
-            if request is None or request.status.is_finished:
-                continue  # aborted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran: its token is discarded
+            request.num_output_placeholders -= 1
             token = int(output.sampled_token_ids[j])
             request.output_token_ids.append(token)
             self._check_stop(request, token)

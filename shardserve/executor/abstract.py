@@ -116,7 +116,10 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self.parallel_config.pipeline_parallel_size
+        """Steps the engine may keep in flight: one per pipeline stage, two per stage with
+        asynchronous scheduling (the next step is queued while the current one runs)."""
+        depth = 2 if self.config.scheduler_config.async_scheduling else 1
+        return self.parallel_config.pipeline_parallel_size * depth
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False

@@ -41,7 +41,7 @@ def launcher_env() -> tuple[int, int, int, int]:
 
 
 class ExternalLauncherExecutor(UniProcExecutor):
-    def _init_executor(self) -> None:
+    def _make_worker(self) -> Worker:
         rank, local_rank, world, local_world = launcher_env()
         expected = self.parallel_config.world_size
         if world != expected:
@@ -49,18 +49,21 @@ class ExternalLauncherExecutor(UniProcExecutor):
                 f"the launcher started {world} processes (WORLD_SIZE={world}) but "
                 f"tensor_parallel_size x pipeline_parallel_size = {expected}; make them equal"
             )
-        self.worker = Worker(
+        return Worker(
             self.config, rank=rank, local_rank=local_rank,
             distributed_init_method="env://", local_world_size=local_world,
         )  # fmt: skip
-        self.worker.init_device()
-        self.worker.load_model()
 
     def determine_available_memory(self) -> list[int]:
         # Every rank must build the same number of KV blocks, or the schedulers diverge.
         local = super().determine_available_memory()
         if self.parallel_config.world_size == 1:
             return local
-        smallest = torch.tensor(min(local), dtype=torch.int64, device=self.worker.device)
-        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-        return [int(smallest.item())]
+
+        def agree() -> int:
+            smallest = torch.tensor(min(local), dtype=torch.int64, device=self.worker.device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            return int(smallest.item())
+
+        # On the worker's thread: the process group's collectives stay on one thread.
+        return [self._on_worker_thread(agree)]

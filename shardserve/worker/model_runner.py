@@ -8,6 +8,8 @@ sampled tokens; only the output rank's reply is used.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +71,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.model_config.seed)
         self._pending: _PendingSample | None = None
+        # Idle gaps: from the end of one step (its sampling) to the start of the next step's
+        # execute_model, in seconds. How long the model waited for the engine.
+        self.idle_gaps: deque[float] = deque(maxlen=100_000)
+        self._last_step_end: float | None = None
 
     # ---- setup ----
     def load_model(self) -> None:
@@ -131,8 +137,14 @@ class ModelRunner:
             state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
 
+    def reset_idle_gaps(self) -> None:
+        self.idle_gaps.clear()
+        self._last_step_end = None
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
+        if self._last_step_end is not None and so.total_num_scheduled_tokens:
+            self.idle_gaps.append(time.perf_counter() - self._last_step_end)
         self.update_states(so)
         self._pending = None
         if so.total_num_scheduled_tokens == 0:
@@ -173,8 +185,16 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
-        if pending is None:
-            return ModelRunnerOutput.empty()
+        try:
+            return ModelRunnerOutput.empty() if pending is None else self._sample(
+                pending, grammar_output
+            )
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    def _sample(
+        self, pending: _PendingSample, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
         meta = SamplingMetadata.build(
             [s.sampling for s in pending.states],
             self.arch.vocab_size,

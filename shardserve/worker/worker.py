@@ -102,6 +102,15 @@ class Worker:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
+    def get_idle_gaps(self, reset: bool = True) -> list[float]:
+        """Seconds the model sat idle between consecutive steps (end of one step's sampling to
+        the start of the next execute_model), since the last reset."""
+        runner = self._runner()
+        gaps = list(runner.idle_gaps)
+        if reset:
+            runner.reset_idle_gaps()
+        return gaps
+
     def check_health(self) -> None:
         """Raises if this worker cannot serve (the call reaching us proves the process is alive)."""
         runner = self._runner()
