@@ -2,15 +2,22 @@
 `LLM.generate` on the same prompts, in one run (the phases take turns; never two at once).
 
     python bench/serve.py [--num-clients 32] [--num-requests 64] [--max-tokens 64]
-                          [--dtype auto] [--repeats 3] [--time-limit-s 150]
+                          [--dtype auto] [--rounds 3] [--time-limit-s 150]
 
-Offline runs twice: all prompts at once, and at most --num-clients at a time (the server's
-width), so the report separates the batch-size effect from the front end's cost.
-Loopback only; bounded in requests and time (the server phase is cancelled at --time-limit-s).
-Greedy, ignore_eos, so every request produces exactly --max-tokens tokens. The three phases
-take turns for --repeats rounds and each reports its fastest (the machine's speed drifts).
-Prints request throughput, output tokens/s, p50/p99 time to first token and inter-token
-latency (gaps between streamed chunks), and the server's throughput as a fraction of offline.
+Three phases: offline with all prompts at once, offline at most --num-clients at a time (the
+server's width, max_num_seqs=--num-clients), and the server under --num-clients streaming clients,
+so the report separates the batch-size effect from the front end's cost. Loopback only; bounded
+in requests and time (a server round is cancelled at --time-limit-s). Greedy, ignore_eos, so
+every request produces exactly --max-tokens tokens.
+
+How the ratios are computed: all three phases stay up and every one gets the same warm-up (one
+untimed run of the same prompts with 4 new tokens) before the rounds. Then, --rounds times
+(--repeats is the old name), the phases run back to back, the first one rotating from round to
+round; server / offline is taken within each round, and the table shows the median of the
+per-round ratios and their range. Tokens/s and requests/s are medians over the rounds; TTFT and
+inter-token latency (gaps between streamed chunks) percentiles pool every round's requests.
+(Before, only offline was warmed up before the rounds and each phase's fastest round was
+compared with the others'.)
 """
 
 from __future__ import annotations
@@ -27,59 +34,83 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from _rounds import Rounds, make_prompts, median_or_nan, rotated, spread
 
-TOPICS = ["the ocean", "a city at night", "machine learning", "an old library", "mountains",
-          "a chess game", "the history of bread", "volcanoes"]
-STYLES = ["Write a story about", "Explain to a child", "List facts about", "Describe"]
-
-
-def make_prompts(n: int) -> list[str]:
-    return [f"{STYLES[i % len(STYLES)]} {TOPICS[(i // 4) % len(TOPICS)]} (#{i}):" for i in range(n)]
+WARMUP_TOKENS = 4
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "max_model_len": 1024, "max_num_seqs": 128}
 
 
+@dataclass
+class Result:
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: bool = True
+
+
+@dataclass
+class Sample:
+    """One phase's run in one round."""
+
+    elapsed: float
+    tokens: int
+    results: list[Result]  # one per request (offline: tokens only)
+
+
 # ---- offline ----
 class Offline:
-    """A warm in-process engine; `round()` times one generate of every prompt."""
+    """An in-process engine; `run()` times one generate of every prompt."""
 
     def __init__(self, args: argparse.Namespace, max_num_seqs: int | None = None) -> None:
-        from shardserve import LLM, SamplingParams
+        from shardserve import LLM
 
         options = engine_options(args)
         if max_num_seqs is not None:
             options["max_num_seqs"] = max_num_seqs
         self.llm = LLM(args.model, **options)
-        self.llm.generate(["warm-up"], SamplingParams(max_tokens=4), use_tqdm=False)
-        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    def round(self, prompts: list[str]) -> dict[str, float]:
+    def run(self, prompts: list[str], max_tokens: int) -> Sample:
+        from shardserve import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"elapsed": elapsed, "tokens": tokens, "requests": len(outs)}
+        results = [Result(tokens=len(o.outputs[0].token_ids)) for o in outs]
+        return Sample(elapsed, sum(r.tokens for r in results), results)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
 
 
 # ---- server ----
-@dataclass
-class Result:
-    ttft: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: bool = False
+class Server:
+    """`shardserve serve` in a subprocess; `run()` times --num-clients streaming clients."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = start_server(args, self.url)
+
+    def run(self, prompts: list[str], max_tokens: int) -> Sample:
+        results, elapsed = asyncio.run(asyncio.wait_for(
+            server_round(self.url, prompts, self.args.num_clients, max_tokens),
+            self.args.time_limit_s))
+        return Sample(elapsed, sum(r.tokens for r in results), results)
+
+    def shutdown(self) -> None:
+        stop_server(self.proc)
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, url: str) -> subprocess.Popen:
     opts = engine_options(args)
     cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", opts["dtype"], "--max-model-len", str(opts["max_model_len"]),
-           "--max-num-seqs", str(opts["max_num_seqs"]), "--uvicorn-log-level", "warning"]
+           url.rsplit(":", 1)[1], "--dtype", opts["dtype"], "--max-model-len",
+           str(opts["max_model_len"]), "--max-num-seqs", str(opts["max_num_seqs"]),
+           "--uvicorn-log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
     # The server's log goes to a file: an unread pipe could fill up and stall it.
@@ -92,7 +123,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {open(log.name).read()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
@@ -135,29 +166,23 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
     return result
 
 
-async def server_round(url: str, prompts: list[str], clients: int, max_tokens: int,
-                       warm_up: bool) -> tuple[list[Result], float]:
+async def server_round(url: str, prompts: list[str], clients: int, max_tokens: int
+                       ) -> tuple[list[Result], float]:
+    """Every prompt once, through `clients` concurrent streaming clients."""
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        if warm_up:
-            await one_request(http, prompts[0], 4)
-        return await one_round(http, prompts, clients, max_tokens)
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for p in prompts:
+            queue.put_nowait(p)
+        results: list[Result] = []
 
+        async def client() -> None:
+            while not queue.empty():
+                results.append(await one_request(http, queue.get_nowait(), max_tokens))
 
-async def one_round(http: httpx.AsyncClient, prompts: list[str], clients: int, max_tokens: int
-                    ) -> tuple[list[Result], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[Result] = []
-
-    async def client() -> None:
-        while not queue.empty():
-            results.append(await one_request(http, queue.get_nowait(), max_tokens))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return results, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return results, time.perf_counter() - t0
 
 
 def free_port() -> int:
@@ -166,36 +191,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rounds(args: argparse.Namespace, prompts: list[str]) -> tuple[dict, dict, tuple]:
-    """All three phases stay up and take turns, --repeats rounds, each keeping its fastest: this
-    VM's speed drifts by 10-50% within minutes, and phases run one after another would compare
-    the drift. Only one phase runs at a time; the idle ones sleep."""
-    port = free_port()
-    proc = start_server(args, port)
-    engines: list[Offline] = []
+# ---- rounds ----
+PHASES = ["offline", "capped", "server"]
+
+
+def start_phases(args: argparse.Namespace) -> dict[str, Offline | Server]:
+    phases: dict[str, Offline | Server] = {}
     try:
-        engines.append(Offline(args))
+        phases["server"] = Server(args)
+        phases["offline"] = Offline(args)
         # The server never has more than --num-clients requests in flight; offline at that width
         # isolates the front end's cost from the batch-size effect.
-        engines.append(Offline(args, max_num_seqs=args.num_clients))
-        best_off, best_cap, best_srv = None, None, None
-        for r in range(args.repeats):
-            off, cap = engines[0].round(prompts), engines[1].round(prompts)
-            srv = asyncio.run(asyncio.wait_for(
-                server_round(f"http://127.0.0.1:{port}", prompts, args.num_clients,
-                             args.max_tokens, warm_up=r == 0),
-                args.time_limit_s))
-            print(f"round {r + 1}/{args.repeats}: offline {off['elapsed']:.2f} s, "
-                  f"{args.num_clients} at a time {cap['elapsed']:.2f} s, server {srv[1]:.2f} s",
-                  flush=True)
-            best_off = off if best_off is None or off["elapsed"] < best_off["elapsed"] else best_off
-            best_cap = cap if best_cap is None or cap["elapsed"] < best_cap["elapsed"] else best_cap
-            best_srv = srv if best_srv is None or srv[1] < best_srv[1] else best_srv
+        phases["capped"] = Offline(args, max_num_seqs=args.num_clients)
+    except BaseException:
+        stop_phases(phases)
+        raise
+    return phases
+
+
+def stop_phases(phases: dict[str, Offline | Server]) -> None:
+    for phase in phases.values():
+        phase.shutdown()
+
+
+def run_rounds(args: argparse.Namespace, prompts: list[str]) -> tuple[Rounds, list[Result]]:
+    """All phases stay up; the same warm-up each; then --rounds rounds, phases back to back in
+    a rotating order. Only one phase runs at a time; the idle ones sleep. Returns the per-round
+    tokens/s and requests/s, and every server request's result (all rounds)."""
+    phases = start_phases(args)
+    samples, served = Rounds(), []
+    try:
+        for name in PHASES:
+            phases[name].run(prompts, WARMUP_TOKENS)
+        for r in range(args.rounds):
+            took = {}
+            for name in rotated(PHASES, r):
+                sample = phases[name].run(prompts, args.max_tokens)
+                samples.add(name, sample.tokens / sample.elapsed)
+                samples.add((name, "requests/s"), len(sample.results) / sample.elapsed)
+                took[name] = sample.elapsed
+                if name == "server":
+                    served += sample.results
+            print(f"round {r + 1}/{args.rounds}: offline {took['offline']:.2f} s, "
+                  f"{args.num_clients} at a time {took['capped']:.2f} s, "
+                  f"server {took['server']:.2f} s", flush=True)
     finally:
-        for e in engines:
-            e.shutdown()
-        stop_server(proc)
-    return best_off, best_cap, best_srv
+        stop_phases(phases)
+    return samples, served
 
 
 # ---- report ----
@@ -206,31 +248,28 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def report(
-    args: argparse.Namespace, offline: dict, capped: dict, results: list[Result], elapsed: float
-) -> None:
-    tokens = sum(r.tokens for r in results)
-    failed = sum(not r.ok for r in results)
-    off_rate = offline["tokens"] / offline["elapsed"]
-    capped_rate = capped["tokens"] / capped["elapsed"]
-    srv_rate = tokens / elapsed
-    ttft = [r.ttft for r in results]
-    gaps = [g for r in results for g in r.gaps]
-    print(f"\nmodel={args.model or 'default'} dtype={args.dtype} clients={args.num_clients} "
-          f"requests={len(results)} (failed {failed}) max_tokens={args.max_tokens}")
-    print(f"| {'metric':<28} | {'value':>10} |\n|{'-' * 30}|{'-' * 12}|")
-    rows = [("offline output tokens/s", off_rate),
-            ("server output tokens/s", srv_rate),
-            ("server / offline", srv_rate / off_rate),
-            (f"offline, {args.num_clients} at a time", capped_rate),
-            (f"server / offline {args.num_clients} at a time", srv_rate / capped_rate),
-            ("server requests/s", len(results) / elapsed),
-            ("TTFT p50 (ms)", 1000 * pct(ttft, 50)),
-            ("TTFT p99 (ms)", 1000 * pct(ttft, 99)),
-            ("ITL p50 (ms)", 1000 * pct(gaps, 50)),
-            ("ITL p99 (ms)", 1000 * pct(gaps, 99))]
-    for name, value in rows:
-        print(f"| {name:<28} | {value:>10.2f} |")
+def report(args: argparse.Namespace, s: Rounds, served: list[Result]) -> None:
+    failed = sum(not r.ok for r in served)
+    ttft = [r.ttft for r in served]
+    gaps = [g for r in served for g in r.gaps]
+    n = args.num_clients
+    vs_offline, vs_capped = s.ratios("server", "offline"), s.ratios("server", "capped")
+    print(f"\nmodel={args.model or 'default'} dtype={args.dtype} clients={n} "
+          f"requests={args.num_requests} x {args.rounds} rounds (failed {failed}) "
+          f"max_tokens={args.max_tokens}; ratios: median of per-round ratios")
+    print(f"| {'metric':<34} | {'value':>10} | {'range':>13} |\n|{'-' * 36}|{'-' * 12}|{'-' * 15}|")
+    rows = [("offline output tokens/s", s.median("offline"), ""),
+            ("server output tokens/s", s.median("server"), ""),
+            ("server / offline", median_or_nan(vs_offline), spread(vs_offline)),
+            (f"offline, {n} at a time, tokens/s", s.median("capped"), ""),
+            (f"server / offline {n} at a time", median_or_nan(vs_capped), spread(vs_capped)),
+            ("server requests/s", s.median(("server", "requests/s")), ""),
+            ("TTFT p50 (ms, all rounds)", 1000 * pct(ttft, 50), ""),
+            ("TTFT p99 (ms, all rounds)", 1000 * pct(ttft, 99), ""),
+            ("ITL p50 (ms, all rounds)", 1000 * pct(gaps, 50), ""),
+            ("ITL p99 (ms, all rounds)", 1000 * pct(gaps, 99), "")]
+    for name, value, rng in rows:
+        print(f"| {name:<34} | {value:>10.2f} | {rng:>13} |")
 
 
 def main() -> None:
@@ -240,12 +279,14 @@ def main() -> None:
     parser.add_argument("--num-clients", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per phase; best counts")
-    parser.add_argument("--time-limit-s", type=float, default=150.0)
+    parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
+                        help="interleaved rounds; ratios are the median of per-round ratios")
+    parser.add_argument("--time-limit-s", type=float, default=150.0,
+                        help="a server round is cancelled after this long")
     args = parser.parse_args()
-    prompts = make_prompts(args.num_requests)
-    offline, capped, (results, elapsed) = run_rounds(args, prompts)
-    report(args, offline, capped, results, elapsed)
+    samples, served = run_rounds(args, make_prompts(args.num_requests))
+    report(args, samples, served)
+
 
 if __name__ == "__main__":
     main()
