@@ -7,6 +7,7 @@ identity, so the same layer code runs unsharded in one process.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 from shardserve import envs
 from shardserve.distributed.shm_allreduce import ShmAllReduce
+
+logger = logging.getLogger(__name__)
 
 
 class GroupCoordinator:
@@ -24,12 +27,18 @@ class GroupCoordinator:
         self.world_size = world_size
         self.group = group
         self.shm: ShmAllReduce | None = None  # CPU ranks sharing a machine
+        # Which path each collective took (world size > 1 only): a call too big for a slot
+        # quietly goes to gloo, so tests and benchmarks read these to know what they measured.
+        self.shm_calls = 0
+        self.fallback_calls = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
         if self.shm is not None and self.shm.all_reduce(tensor):
+            self.shm_calls += 1
             return tensor
+        self.fallback_calls += 1
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -39,7 +48,9 @@ class GroupCoordinator:
             return tensor
         tensor = tensor.contiguous()
         if self.shm is not None and (out := self.shm.all_gather(tensor, dim)) is not None:
+            self.shm_calls += 1
             return out
+        self.fallback_calls += 1
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
@@ -89,7 +100,7 @@ def _attach_shm_allreduce(rank: int, world_size: int) -> ShmAllReduce | None:
     shm = None
     try:
         if rank == 0:
-            shm = ShmAllReduce(rank, world_size, names[0], create=True)
+            shm = _create_shm(world_size, names[0])
         dist.barrier()  # created before anyone attaches
         if rank != 0:
             shm = ShmAllReduce(rank, world_size, names[0], create=False)
@@ -103,6 +114,17 @@ def _attach_shm_allreduce(rank: int, world_size: int) -> ShmAllReduce | None:
         shm.close()
         shm = None
     return shm
+
+
+def _create_shm(world_size: int, name: str) -> ShmAllReduce | None:
+    """The full-size segment, or a smaller one where /dev/shm cannot hold it (rank 0 only)."""
+    for buffer_bytes in (ShmAllReduce.BUFFER_BYTES, ShmAllReduce.MIN_BUFFER_BYTES):
+        try:
+            return ShmAllReduce(0, world_size, name, create=True, buffer_bytes=buffer_bytes)
+        except OSError as e:
+            logger.warning("shared-memory all-reduce: %d MiB buffers do not fit /dev/shm (%s)",
+                           buffer_bytes >> 20, e)
+    return None
 
 
 def destroy_distributed() -> None:

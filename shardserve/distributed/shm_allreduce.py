@@ -14,6 +14,17 @@ gets bit-identical results), or for an all-gather concatenates them. Two buffers
 to overwrite: a rank can start call k+2 only after every rank has published k+1, i.e. has
 finished reading call k.
 The segment is unlinked as soon as every rank has mapped it, so nothing can leak.
+
+Sizing: one buffer (all slots together) holds BUFFER_BYTES = 24 MiB, so a slot is 24 MiB / W.
+The largest collective the model makes is the all-gather of a decode step's logits: each rank
+holds vocab / W columns, so what one buffer must hold is rows x vocab x element size whatever
+W is, and 24 MiB is max_num_seqs (128, the default) rows of the default model's 49152-entry
+vocab in float32 (bfloat16: 256 rows). The all-reduces (tokens x hidden, at most
+max_num_batched_tokens=2048 x 576 x 4 bytes = 4.5 MiB per rank) fit with room to spare. Larger
+calls (bigger vocabularies, wider batches) go to gloo; `GroupCoordinator` counts which path each
+call took. The segment is 2 x 24 MiB; where /dev/shm cannot hold that (a container's 64 MB
+default, shared with the executor's queues), the creator falls back to MIN_BUFFER_BYTES and the
+other ranks read the size from the segment itself.
 """
 
 from __future__ import annotations
@@ -42,22 +53,27 @@ def _reserve(fd: int, size: int) -> None:
 
 
 class ShmAllReduce:
+    BUFFER_BYTES = 24 << 20  # see "Sizing" above
+    MIN_BUFFER_BYTES = 8 << 20  # where /dev/shm is short
+
     def __init__(
-        self, rank: int, world_size: int, name: str, create: bool, slot_bytes: int | None = None
+        self, rank: int, world_size: int, name: str, create: bool, buffer_bytes: int | None = None
     ) -> None:
-        # 16 MiB in all whatever the world size: a batch's logits (vocab / world columns each)
-        # fit up to ~32 rows of a 50k vocab in float32; larger calls fall back to gloo.
-        slot_bytes = slot_bytes or max(1 << 20, (8 << 20) // world_size // 64 * 64)
-        self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
+        """Create (rank 0) or map the segment `name`. Only the creator chooses `buffer_bytes`;
+        an attaching rank takes the size the creator chose from the segment."""
         header = world_size * _COUNTER_STRIDE * 8
-        size = header + 2 * world_size * slot_bytes
         path = os.path.join("/dev/shm", name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
+                slot_bytes = self.slot_bytes_for(world_size, buffer_bytes or self.BUFFER_BYTES)
+                size = header + 2 * world_size * slot_bytes
                 os.ftruncate(fd, size)
                 _reserve(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+                slot_bytes = (size - header) // (2 * world_size)
             self._map = mmap.mmap(fd, size)
         except BaseException:
             if create:
@@ -65,6 +81,7 @@ class ShmAllReduce:
             raise
         finally:
             os.close(fd)
+        self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.path = path
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=header // 8)
         raw = torch.frombuffer(
@@ -72,6 +89,11 @@ class ShmAllReduce:
         )
         self._slots = raw.view(2, world_size, slot_bytes)
         self._seq = 0
+
+    @staticmethod
+    def slot_bytes_for(world_size: int, buffer_bytes: int) -> int:
+        """One rank's slot: its share of a buffer, rounded up to whole cache lines."""
+        return -(-buffer_bytes // world_size // 64) * 64
 
     @staticmethod
     def new_name() -> str:
