@@ -87,4 +87,4 @@ def spread(values: Sequence[float], fmt: str = ".2f") -> str:
     """'lo-hi' of per-round values, for a range column."""
     if not values:
         return "-"
-    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+    return f"{min(values):{fmt}}..{max(values):{fmt}}"
