@@ -16,8 +16,6 @@ untimed run of the same prompts with 4 new tokens) before the rounds. Then, --ro
 round; server / offline is taken within each round, and the table shows the median of the
 per-round ratios and their range. Tokens/s and requests/s are medians over the rounds; TTFT and
 inter-token latency (gaps between streamed chunks) percentiles pool every round's requests.
-(Before, only offline was warmed up before the rounds and each phase's fastest round was
-compared with the others'.)
 """
 
 from __future__ import annotations

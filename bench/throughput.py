@@ -15,9 +15,7 @@ prompts at the same width with 4 new tokens) before the rounds. Then, --rounds t
 width shardserve and HF run back to back (which goes first alternates from round to round), and
 the ratio shardserve / HF is taken within that round; the table shows the median of the
 per-round ratios and their range. The tok/s columns are medians over the rounds, and "of bound"
-is the median of the per-round decode / bound. (Before, HF ran at batch 32 only, only shardserve
-was warmed up, and each side's best round was compared; the bound used a copy bandwidth measured
-once at the start.)
+is the median of the per-round decode / bound.
 """
 
 from __future__ import annotations
