@@ -4,12 +4,17 @@ Start-up order: validate the engine options here (a bad flag is `error: ...`, ex
 engine-core process and wait for its model to load, then start uvicorn; the app's lifespan
 connects the ZMQ sockets. Shutdown (SIGTERM, Ctrl-C): uvicorn stops taking requests and gives open
 ones a short grace, then the lifespan stops the engine process, which stops its workers.
+Exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT), both after that cleanup.
+
+`--port 0` lets the OS choose a free port (no other process can take it between choosing and
+binding); the log line "serving ... on http://HOST:PORT" and `--port-file` tell the port.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,10 @@ class ServeCommand:
         group = parser.add_argument_group("server options")
         group.add_argument("--host", default="127.0.0.1", help="Address to bind (default: "
                            "127.0.0.1; 0.0.0.0 serves every interface).")
-        group.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
+        group.add_argument("--port", type=int, default=8000, help="Port (default: 8000; 0: "
+                           "one the OS chooses, see --port-file).")
+        group.add_argument("--port-file", default=None, metavar="PATH", help="Once the server "
+                           "accepts requests, write the port it listens on to PATH (for --port 0).")
         group.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' "
                            "on /v1/* requests.")
         group.add_argument("--served-model-name", default=None, help="The model name clients "
@@ -80,8 +88,7 @@ class ServeCommand:
                                        log_level=args.uvicorn_log_level,
                                        access_log=args.access_log,
                                        timeout_graceful_shutdown=_GRACEFUL_S)
-            logger.info("serving %s on http://%s:%d", served, args.host, args.port)
-            _server_class()(uv_config, client.begin_shutdown).run()
+            _server_class()(uv_config, client.begin_shutdown, served, args.port_file).run()
         except _Terminated:
             logger.info("terminated")
         finally:
@@ -97,9 +104,23 @@ def _server_class():
     class Server(uvicorn.Server):
         """uvicorn's server, telling the engine client as soon as a stop signal arrives."""
 
-        def __init__(self, config: uvicorn.Config, on_exit: Any) -> None:
+        def __init__(self, config: uvicorn.Config, on_exit: Any, served: str,
+                     port_file: str | None) -> None:
             super().__init__(config)
             self._on_exit = on_exit
+            self._served = served
+            self._port_file = port_file
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if not self.started:
+                return
+            # The bound port, not the requested one: with --port 0 only the socket knows it.
+            # (A host name with several addresses gets one socket each; the first is reported.)
+            port = self.servers[0].sockets[0].getsockname()[1]
+            logger.info("serving %s on http://%s:%d", self._served, self.config.host, port)
+            if self._port_file:
+                _write_atomically(self._port_file, f"{port}\n")
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
@@ -108,6 +129,14 @@ def _server_class():
             self._on_exit()
 
     return Server
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """A reader polling for `path` never sees it half-written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def served_names(model: str | None, served: str | None, path: Path) -> tuple[str, set[str]]:

@@ -1,12 +1,12 @@
 """Fixtures: one tiny-model server shared by the session (start-up costs a few seconds), and
-the offline engine with the same options for reference outputs. Tests that kill or stop a server
-start their own (see server_helpers.Server).
+the offline engine with the same options for reference outputs. Tests that kill or stop a server,
+or hold its model steps, start their own (see server_helpers.Server).
 """
 
 from __future__ import annotations
 
 import pytest
-from server_helpers import API_KEY, TINY_ARGS, Server, shm_segments
+from server_helpers import API_KEY, TINY_ARGS, Server
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +14,7 @@ def tiny_server(tiny_llama_dir, tmp_path_factory):
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path_factory.mktemp("srv") / "server.log")
     yield server
     server.stop()
-    assert not shm_segments() - server.shm_before
+    assert not server.leftovers()
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import time
+from collections import Counter
 
 import httpx
 import openai
@@ -110,7 +109,25 @@ def test_stop_strings_streamed_and_not(client, tiny_server, tiny_offline):
     assert "".join(c.choices[0].text for c in chunks) == full[:assume_stop]
 
 
-def test_logprobs(client, tiny_server, tiny_offline):
+def _text(token_id: int, lp) -> str:
+    """A token's text as the server shows it (its id where it has no decoded text)."""
+    return lp.decoded_token if lp.decoded_token is not None else str(token_id)
+
+
+def _top(position: dict, k: int) -> list[tuple[str, float]]:
+    """An offline position's k most likely (token text, logprob), as the server ranks them."""
+    ranked = sorted(position.items(), key=lambda kv: -kv[1].logprob)[:k]
+    return [(_text(tid, lp), lp.logprob) for tid, lp in ranked]
+
+
+def _same_top(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> None:
+    """Equal within float noise; the order of (near-)ties may differ, so compare sorted."""
+    assert len(got) == len(want), (got, want)
+    assert sorted(lp for _, lp in got) == pytest.approx(sorted(lp for _, lp in want), abs=1e-4)
+    assert Counter(t for t, _ in got) == Counter(t for t, _ in want), (got, want)
+
+
+def test_completion_logprobs_equal_offline(client, tiny_server, tiny_offline):
     ref = tiny_offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=6,
                                                             logprobs=3), use_tqdm=False)[0]
     out = ref.outputs[0]
@@ -118,17 +135,32 @@ def test_logprobs(client, tiny_server, tiny_offline):
                                      max_tokens=6, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(out.token_ids) == len(lp.token_logprobs)
-    want = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
-    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
-    # Keyed by text: distinct tokens that decode alike (partial UTF-8) share a key.
-    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
+    chosen = [out.logprobs[i][t] for i, t in enumerate(out.token_ids)]
+    assert lp.tokens == [_text(t, c) for t, c in zip(out.token_ids, chosen, strict=True)]
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in chosen], abs=1e-4)
+    for got, position in zip(lp.top_logprobs, out.logprobs, strict=True):
+        # Keyed by text: tokens that decode alike (partial UTF-8) share a key, and the server
+        # keeps one of them; every key must be one of the offline tokens with that text.
+        texts = {tid: _text(tid, p) for tid, p in position.items()}
+        assert set(got) == set(texts.values())
+        for text, value in got.items():
+            assert any(value == pytest.approx(p.logprob, abs=1e-4)
+                       for tid, p in position.items() if texts[tid] == text), (text, value)
+
+
+def test_chat_logprobs_equal_offline(client, tiny_server, tiny_offline):
+    messages = [{"role": "user", "content": "hi"}]
+    ref = tiny_offline.chat(messages, SamplingParams(temperature=0, max_tokens=5, logprobs=2),
+                            use_tqdm=False)[0].outputs[0]
     chat = client.chat.completions.create(
-        model=model_name(tiny_server), messages=[{"role": "user", "content": "hi"}],
-        max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+        model=model_name(tiny_server), messages=messages, max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens
-    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
-    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert len(content) == chat.usage.completion_tokens == len(ref.token_ids)
+    for item, token_id, position in zip(content, ref.token_ids, ref.logprobs, strict=True):
+        assert item.token == _text(token_id, position[token_id])
+        assert item.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)
+        _same_top([(t.token, t.logprob) for t in item.top_logprobs], _top(position, 2))
 
 
 def test_models_health_version_metrics_and_auth(tiny_server):
@@ -151,6 +183,57 @@ def test_models_health_version_metrics_and_auth(tiny_server):
         bad.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=2)
 
 
+def test_metrics_count_what_was_served(client, tiny_server):
+    """Counters move by exactly what the responses report; each engine request (a prompt, or one
+    of its n choices) is one TTFT, one e2e latency and one finish, and every later token one
+    inter-token gap (one output per step, one token each: no speculative decoding)."""
+    name = model_name(tiny_server)
+    eos = {"ignore_eos": True}  # every choice runs to max_tokens: known token counts
+    before = tiny_server.metrics()
+    usages, tokens_per_engine_request = [], []
+    r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=7, temperature=0,
+                                  extra_body=eos)
+    usages.append(r.usage)
+    tokens_per_engine_request += [7]
+    r = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=5, n=2, seed=3,
+                                  temperature=0.8, extra_body=eos)
+    usages.append(r.usage)
+    tokens_per_engine_request += [5, 5]
+    r = client.completions.create(model=name, prompt=PROMPTS[2:4], max_tokens=4, temperature=0,
+                                  extra_body=eos)
+    usages.append(r.usage)
+    tokens_per_engine_request += [4, 4]
+    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=6, temperature=0, extra_body=eos)
+    usages.append(r.usage)
+    tokens_per_engine_request += [6]
+    chunks = list(client.completions.create(
+        model=name, prompt=PROMPTS[3], max_tokens=9, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=eos))
+    usages.append(chunks[-1].usage)
+    tokens_per_engine_request += [9]
+    after = tiny_server.metrics()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert [u.completion_tokens for u in usages] == [7, 10, 8, 6, 9]
+    n_requests = len(tokens_per_engine_request)
+    assert delta("shardserve:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("shardserve:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("shardserve:time_to_first_token_seconds_count") == n_requests
+    assert delta("shardserve:e2e_request_latency_seconds_count") == n_requests
+    assert delta('shardserve:request_success_total{finished_reason="length"}') == n_requests
+    assert delta("shardserve:inter_token_latency_seconds_count") == \
+        sum(t - 1 for t in tokens_per_engine_request)
+    assert delta("shardserve:time_to_first_token_seconds_sum") > 0
+    assert delta("shardserve:e2e_request_latency_seconds_sum") >= \
+        delta("shardserve:time_to_first_token_seconds_sum")
+    # Every request finished: nothing is left running or holding KV blocks.
+    assert after["shardserve:num_requests_running"] == 0
+    assert after["shardserve:kv_cache_usage_perc"] == 0
+
+
 def test_32_concurrent_streams(tiny_server, tiny_offline):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
     expected = [r.outputs[0].text for r in offline(tiny_offline, prompts, max_tokens=32)]
@@ -168,50 +251,3 @@ def test_32_concurrent_streams(tiny_server, tiny_offline):
                 asyncio.gather(*(one(client, p) for p in prompts)), 120)
 
     assert asyncio.run(run()) == expected
-
-
-def _wait_idle(server, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (server.metric("shardserve:kv_cache_usage_perc") == 0
-                and server.metric("shardserve:num_requests_running") == 0):
-            return
-        time.sleep(0.1)
-    raise AssertionError("KV cache not freed after the client left")
-
-
-def _aborts(server) -> float:
-    try:
-        return server.metric('shardserve:request_success_total{finished_reason="abort"}')
-    except KeyError:
-        return 0.0
-
-
-def test_stream_disconnect_aborts_and_frees_kv(tiny_server):
-    body = {"model": model_name(tiny_server), "prompt": PROMPTS[3], "max_tokens": 480,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    aborts = _aborts(tiny_server)
-    with httpx.Client(timeout=30, headers=tiny_server.headers) as http, \
-            http.stream("POST", f"{tiny_server.url}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        events: list[dict] = []
-        for line in lines:  # read a few events, then leave mid-generation
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-            if len(events) >= 5:
-                break
-        assert tiny_server.metric("shardserve:kv_cache_usage_perc") > 0
-    _wait_idle(tiny_server)
-    assert _aborts(tiny_server) == aborts + 1
-
-
-def test_non_streaming_disconnect_aborts(tiny_server):
-    body = {"model": model_name(tiny_server), "prompt": PROMPTS[0], "max_tokens": 480,
-            "temperature": 0, "ignore_eos": True}
-    aborts = _aborts(tiny_server)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=tiny_server.headers,
-                   timeout=httpx.Timeout(10, read=0.3))
-    _wait_idle(tiny_server)
-    assert _aborts(tiny_server) == aborts + 1

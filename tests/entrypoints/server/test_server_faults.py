@@ -1,12 +1,15 @@
 """Faults and shutdown: a SIGKILLed worker (mp) or engine process turns /health to 503 and ends
-in-flight requests with an error within 2 s; SIGTERM / SIGINT stop everything within 5 s and leave
-no process or shared-memory segment behind."""
+in-flight requests with an error; SIGTERM / SIGINT stop everything, with the server's own exit
+status, and leave no process, shared-memory segment or socket directory behind.
+
+"In flight" is made certain, not likely: the tiny model writes 480 tokens in well under a second,
+so the test freezes (SIGSTOP) the process a request needs before sending it; a request that
+cannot make progress cannot finish before the fault lands, however loaded the machine.
+"""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import signal
 import threading
 import time
@@ -14,10 +17,15 @@ import time
 import httpx
 import psutil
 import pytest
-from server_helpers import TINY_ARGS, Server, shm_segments
+from server_helpers import TINY_ARGS, Server
+from sync_helpers import HANG_S, frozen, wait_until
 
 LONG = {"prompt": "The quick brown fox", "max_tokens": 480, "temperature": 0,
         "ignore_eos": True, "stream": True}
+# The product promise is a clear error within a second of the death (the engine watches its
+# processes' sentinels; nothing polls). The bound is measured from the kill and leaves room for a
+# loaded 2-core machine; a fallback to execute_timeout_s (300 s) or a hang still fails it.
+DEAD_LIMIT_S = 5.0
 
 
 class StreamReader(threading.Thread):
@@ -35,7 +43,7 @@ class StreamReader(threading.Thread):
     def run(self) -> None:
         try:
             with httpx.stream("POST", f"{self.server.url}/v1/completions", json=LONG,
-                              headers=self.server.headers, timeout=30) as resp:
+                              headers=self.server.headers, timeout=HANG_S) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         event = json.loads(line[6:])
@@ -43,34 +51,47 @@ class StreamReader(threading.Thread):
                         self.events.append(event)
         except Exception as e:  # the connection may be cut at shutdown
             self.failure = e
-        self.ended_at = time.monotonic()
+        finally:
+            self.ended_at = time.monotonic()
 
-    def wait_for_tokens(self, n: int = 3, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.events) < n and time.monotonic() < deadline and self.is_alive():
-            time.sleep(0.01)
-        assert len(self.events) >= n, (self.events, self.failure)
+    def finished_normally(self) -> bool:
+        return any(c.get("finish_reason") for e in self.events for c in e.get("choices", []))
 
 
-def engine_process(server: Server) -> psutil.Process:
-    for p in server.descendants():
-        if "engine_core" in " ".join(p.cmdline()):
-            return p
-    raise AssertionError([p.cmdline() for p in server.descendants()])
+def serve_one(server: Server) -> None:
+    """One short request end to end. The engine connects its sockets to the server's a moment
+    after start-up (ZMQ retries the connect); freezing it before that would leave a request
+    blocked in the send, which no engine death can end (see the report of this change)."""
+    body = {k: v for k, v in LONG.items() if k != "stream"} | {"max_tokens": 1}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
+                      timeout=HANG_S)
+    assert resp.status_code == 200, resp.text
 
 
-def assert_dead_within(server: Server, reader: StreamReader, t0: float, limit_s: float) -> None:
-    reader.join(limit_s + 5)
+def send_request(server: Server) -> StreamReader:
+    """Start a long streaming request and return once the API server has handed it to the
+    engine client (it counts the prompt's tokens then); from there it is open until it ends."""
+    before = server.metric("shardserve:prompt_tokens_total", 0.0)
+    reader = StreamReader(server)
+    wait_until(lambda: server.metric("shardserve:prompt_tokens_total", 0.0) > before
+               or not reader.is_alive(), "the request to reach the engine client")
+    assert reader.is_alive(), (reader.events, reader.failure)
+    return reader
+
+
+def assert_dead_error(server: Server, reader: StreamReader, killed_at: float) -> None:
+    reader.join(HANG_S)
     assert reader.ended_at is not None, "the in-flight request hangs"
     assert reader.error is not None, (reader.events[-1:], reader.failure)
+    assert not reader.finished_normally()
     assert reader.error["code"] == 503
     assert any(w in reader.error["message"] for w in ("died", "exited", "failed"))
-    assert reader.ended_at - t0 < limit_s, reader.ended_at - t0
-    resp = httpx.get(f"{server.url}/health", timeout=5)
+    assert reader.ended_at - killed_at < DEAD_LIMIT_S, reader.ended_at - killed_at
+    resp = httpx.get(f"{server.url}/health", timeout=10)
     assert resp.status_code == 503 and resp.json()["error"]["message"]
     body = {k: v for k, v in LONG.items() if k != "stream"}
     resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
-                      timeout=5)
+                      timeout=10)
     assert resp.status_code == 503 and resp.json()["error"]["type"]
 
 
@@ -78,63 +99,87 @@ def test_mp_worker_sigkill_ends_requests_with_error(tiny_llama_dir, tmp_path):
     server = Server(tiny_llama_dir, [*TINY_ARGS, "--tensor-parallel-size", "2"],
                     tmp_path / "server.log")
     try:
-        workers = engine_process(server).children()
-        workers = [w for w in workers if "TP" in " ".join(w.cmdline()) or
-                   "worker" in " ".join(w.cmdline())]
+        workers = [w for w in server.engine_process().children()
+                   if "TP" in " ".join(w.cmdline()) or "worker" in " ".join(w.cmdline())]
         assert len(workers) == 2, [w.cmdline() for w in workers]
-        reader = StreamReader(server)
-        reader.wait_for_tokens()
-        t0 = time.monotonic()
-        os.kill(workers[1].pid, signal.SIGKILL)
-        assert_dead_within(server, reader, t0, 2.0)
+        victim = workers[1]
+        serve_one(server)
+        with frozen(victim.pid):  # no model step completes without every rank
+            reader = send_request(server)
+            killed_at = time.monotonic()
+            victim.kill()
+        assert_dead_error(server, reader, killed_at)
     finally:
-        elapsed = server.stop()
-    assert elapsed < 5
-    assert not shm_segments() - server.shm_before
+        server.stop()
+    assert not server.leftovers()
 
 
 def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
     try:
-        reader = StreamReader(server)
-        reader.wait_for_tokens()
-        t0 = time.monotonic()
-        engine_process(server).kill()
-        assert_dead_within(server, reader, t0, 2.0)
+        engine = server.engine_process()
+        serve_one(server)
+        with frozen(engine.pid):
+            reader = send_request(server)
+            killed_at = time.monotonic()
+            engine.kill()
+        assert_dead_error(server, reader, killed_at)
     finally:
         server.stop()
+    assert not server.leftovers()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_everything_within_5s(tiny_llama_dir, tmp_path, sig):
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_stops_everything_with_the_servers_exit_status(tiny_llama_dir, tmp_path, sig,
+                                                               status):
+    """The documented exit status (serve_cmd.py: 0 after SIGTERM, 130 after Ctrl-C) proves the
+    server stopped through its own cleanup; -SIGTERM would be death by the default action."""
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log")
-    reader = StreamReader(server)
-    reader.wait_for_tokens()
-    assert len(server.descendants()) >= 1
-    elapsed = server.stop(sig)  # asserts that no process is left
-    assert elapsed < 5, elapsed
-    assert server.proc.returncode in (0, 130, -sig), (server.proc.returncode, server.log())
-    assert not shm_segments() - server.shm_before
-    reader.join(5)
+    stopped = False
+    try:
+        engine = server.engine_process()
+        serve_one(server)
+        # Frozen, the engine cannot finish the request before the signal arrives. It must
+        # continue within the server's 2.5 s wait for it to exit, or the server kills it (the
+        # log check below fails); the log line is polled every 10 ms, 250 times that margin.
+        with frozen(engine.pid):
+            reader = send_request(server)
+            server.send_signal(sig)
+            wait_until(lambda: f"signal {int(sig)}: shutting down" in server.log(),
+                       "the server to take the signal")
+        # The engine continues and finds the server's "shutdown" message.
+        stopped = True
+        server.wait_stopped()
+    finally:
+        if not stopped:
+            server.stop(signal.SIGKILL)
+    assert server.proc.returncode == status, (server.proc.returncode, server.log())
+    log = server.log()
+    assert "Traceback" not in log, log
+    assert "did not exit in time" not in log, log  # the engine stopped on its own, not killed
+    assert not server.leftovers()
+    reader.join(HANG_S)
     assert reader.ended_at is not None
+    # The open request was ended by the shutdown (an error event), not cut off silently.
+    assert reader.error is not None and "shutting down" in reader.error["message"], \
+        (reader.events[-1:], reader.failure)
 
 
 def test_engine_exits_when_the_api_server_dies(tiny_llama_dir, tmp_path):
     """The death pipe: with the API server SIGKILLed (no cleanup at all), the engine process
-    notices EOF and exits, mid-generation, on its own."""
-    before = set(glob.glob("/tmp/shardserve-server-*"))
+    notices EOF and exits on its own, a request still open, and removes the socket directory."""
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
-    engine = engine_process(server)
-    socket_dirs = set(glob.glob("/tmp/shardserve-server-*")) - before
-    assert socket_dirs
-    reader = StreamReader(server)
-    reader.wait_for_tokens()
-    server.proc.kill()
+    engine = server.engine_process()
     try:
-        engine.wait(5)
-    except psutil.TimeoutExpired:
-        engine.kill()
-        raise AssertionError("the engine process outlived the API server by 5 s") from None
+        serve_one(server)
+        with frozen(engine.pid):  # the request stays open: the engine has it when it continues
+            send_request(server)
+            server.proc.kill()
+            server.proc.wait(HANG_S)
+        try:
+            engine.wait(HANG_S)  # a hang-catcher: it polls the pipe every 200 ms
+        except psutil.TimeoutExpired:
+            raise AssertionError(f"the engine outlived the API server by {HANG_S} s") from None
     finally:
         server.stop()
-    assert not socket_dirs & set(glob.glob("/tmp/shardserve-server-*"))  # the engine removed it
+    assert not server.leftovers()  # the engine removed the socket directory
