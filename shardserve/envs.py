@@ -102,3 +102,14 @@ def cache_dir() -> str:
 def compiler() -> str:
     """SHARDSERVE_CC: the C compiler that builds the native kernels (default gcc)."""
     return os.environ.get("SHARDSERVE_CC") or "gcc"
+
+
+def worker_multiproc_method() -> str | None:
+    """SHARDSERVE_WORKER_MULTIPROC_METHOD: how the mp backend starts workers: fork or spawn
+    (default: fork while this process has no other threads and no CUDA context, else spawn)."""
+    raw = os.environ.get("SHARDSERVE_WORKER_MULTIPROC_METHOD", "").strip().lower()
+    if raw and raw not in ("fork", "spawn"):
+        raise ValueError(
+            f"SHARDSERVE_WORKER_MULTIPROC_METHOD={raw!r} must be 'fork' or 'spawn' (or unset)"
+        )
+    return raw or None

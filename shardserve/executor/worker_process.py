@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 
 from shardserve.config import EngineConfig
 from shardserve.errors import RemoteError, WorkerStartupError
+from shardserve.executor.start_method import check_spawn_can_import_main, choose_start_method
 from shardserve.ipc import Handle
 from shardserve.worker.worker_main import WorkerProcArgs, worker_main
 
@@ -37,6 +38,7 @@ class WorkerHandle:
     ready_conn: Connection  # read end
     death_conn: Connection  # write end; closing it tells the worker we are gone
     reply_handle: Handle | None = None
+    start_method: str = "spawn"
 
     @property
     def pid(self) -> int:
@@ -56,23 +58,33 @@ def start_workers(
     broadcast: Handle,
     init_method: str,
     worker_cls: str,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[WorkerHandle]:
-    ctx = multiprocessing.get_context(start_method)
+    """Start one process per rank (fork where safe, else spawn: see start_method.py)."""
+    method = start_method or choose_start_method()
+    if method == "spawn":
+        check_spawn_can_import_main()
+    ctx = multiprocessing.get_context(method)
     world = config.parallel_config.world_size
-    handles = []
+    handles: list[WorkerHandle] = []
     for rank in range(world):
         ready_r, ready_w = ctx.Pipe(duplex=False)
         death_r, death_w = ctx.Pipe(duplex=False)
-        args = WorkerProcArgs(
-            config, rank, rank, world, init_method, broadcast, ready_w, death_r, worker_cls
+        # A forked child inherits our ends of its own and the earlier ranks' pipes; holding a
+        # death pipe's write end would hide our death (no EOF), so the child closes them first.
+        inherited = (ready_r.fileno(), death_w.fileno()) + tuple(
+            fd for h in handles for fd in (h.ready_conn.fileno(), h.death_conn.fileno())
         )
+        args = WorkerProcArgs(
+            config, rank, rank, world, init_method, broadcast, ready_w, death_r, worker_cls,
+            close_fds=inherited if method == "fork" else (), forked=method == "fork",
+        )  # fmt: skip
         proc = ctx.Process(target=worker_main, args=(args,), name=args.label, daemon=True)
         proc.start()
         # Drop our copies of the child's ends, so EOF on either pipe means "the other side is gone".
         ready_w.close()
         death_r.close()
-        handles.append(WorkerHandle(rank, proc, ready_r, death_w))
+        handles.append(WorkerHandle(rank, proc, ready_r, death_w, start_method=method))
     return handles
 
 
@@ -116,9 +128,16 @@ def _take_ready_message(handle: WorkerHandle) -> None:
             f"{error.exc_type}: {error.message}\n--- worker traceback ---\n{error.traceback}"
         )
     handle.process.join(timeout=1)
+    hint = ""
+    if handle.start_method == "spawn":
+        hint = (
+            "; it died before running any shardserve code, so its own traceback is on stderr "
+            "above. A spawned worker re-imports the main script first: an import error there, "
+            "or an engine started outside `if __name__ == \"__main__\":`, ends it like this"
+        )
     raise WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) died during start-up "
-        f"({handle.describe_exit()})"
+        f"({handle.describe_exit()}){hint}"
     )
 
 

@@ -47,6 +47,9 @@ class WorkerProcArgs:
     ready_conn: Connection
     death_conn: Connection
     worker_cls: str = "shardserve.worker.worker.Worker"
+    # Forked children: the parent's ends of earlier ranks' pipes, inherited by fork; closed first.
+    close_fds: tuple[int, ...] = ()
+    forked: bool = False
 
     @property
     def label(self) -> str:
@@ -55,7 +58,35 @@ class WorkerProcArgs:
 
 def worker_main(args: WorkerProcArgs) -> None:
     """Process target. Exits 0 after a shutdown request, non-zero after a failure."""
+    for fd in args.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _setup_process(args)
+    if not args.forked:
+        _serve(args)
+        return
+    # A forked child inherits the parent's OpenMP state for its main thread only, and that
+    # pool's threads do not exist here: the first parallel kernel on this thread would wait for
+    # them for ever. A new thread builds a pool of its own, so the worker runs on one; this
+    # thread keeps the signal handlers (SIGTERM still raises SystemExit here and ends us).
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            _serve(args)
+        except BaseException as e:  # re-raised on the main thread: same exit code and report
+            failure.append(e)
+
+    thread = threading.Thread(target=serve, name=f"{args.label}-main", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _serve(args: WorkerProcArgs) -> None:
     # Segments nobody else can unlink if the engine dies by SIGKILL: its broadcast ring, ours.
     orphans = [args.broadcast_handle.shm_name]
     _watch_death_pipe(args.death_conn, orphans)
