@@ -128,3 +128,16 @@ def hf_default_model(default_model_path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model_bf16(default_model_path: Path):
+    """transformers' own bfloat16 load of the default GGUF (~11 s; once a session). Loaded, not
+    cast from the float32 fixture: `.to(bfloat16)` would also round buffers such as RoPE's
+    inv_freq, which HF's bfloat16 load keeps in float32."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.bfloat16
+    ).eval()
