@@ -364,6 +364,14 @@ class MessageQueue:
             ring.set_sleeping(self.rank, False)
             self._wait_addr = 0
 
+    def is_sleeping(self, rank: int | None = None) -> bool:
+        """Whether local reader `rank` (None: the writer) is blocked in a wait on the ring right
+        now, as its ring header announces (read-only; for tests and diagnostics). Any side with
+        the ring mapped may ask; remote readers wait on ZMQ and have no such word."""
+        if self._ring is None or (rank is not None and not 0 <= rank < self.n_local_reader):
+            raise ValueError(f"{self._who()}: rank {rank} has no sleeping word on this ring")
+        return self._ring.is_sleeping(rank)
+
     def _raise_if_closing(self) -> None:
         if self._closing:
             raise QueueClosed(f"{self._who()}: the queue was closed")

@@ -235,6 +235,11 @@ class ShmRing:
         word = _H_WRITER_SLEEPING if reader is None else _H_READERS + 4 * reader + _R_SLEEPING
         self.hdr[word] = int(sleeping)
 
+    def is_sleeping(self, reader: int | None) -> bool:
+        """Read-only: whether the writer (reader None) or a reader announced a sleep."""
+        word = _H_WRITER_SLEEPING if reader is None else _H_READERS + 4 * reader + _R_SLEEPING
+        return bool(self.hdr[word])
+
     def full_fence(self) -> None:
         """A full memory barrier: acquiring a lock executes a locked (serialising) instruction."""
         with self._fence_lock:
