@@ -28,6 +28,18 @@ _CHAT_TEMPLATE = (
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip where torch sees no CUDA device (and run wherever it does)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_builder() -> Callable[..., Path]:
     """Returns build(architecture, folder, *, tie=False, seed=0, **config) -> folder.
