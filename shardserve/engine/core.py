@@ -42,10 +42,10 @@ class _InFlight:
     sampled: Future  # sample_tokens: the output rank's ModelRunnerOutput
 
     def result(self) -> ModelRunnerOutput:
-        # Both calls complete in submission order: by the time `sampled` is done, `executed` is.
-        output = self.sampled.result()
+        # execute_model first: a rank that fails in it answers at once, while the other ranks
+        # may be stuck in a collective waiting for that rank, so `sampled` would never come.
         self.executed.result()
-        return output
+        return self.sampled.result()
 
 
 class EngineCore:
@@ -114,9 +114,9 @@ class EngineCore:
         flight = self.batch_queue.popleft()
         try:
             model_output = flight.result()
-        except BaseException:
+        except BaseException as e:
             # The workers' request state may now disagree with the scheduler's: stop for good.
-            self._fail_in_flight()
+            self._fail_in_flight(e)
             raise
         return self.scheduler.update_from_output(flight.scheduler_output, model_output)
 
@@ -132,16 +132,18 @@ class EngineCore:
         try:
             executed = self.executor.execute_model(so, non_block=True)
             sampled = self.executor.sample_tokens(None, non_block=True)
-        except BaseException:
-            self._fail_in_flight()
+        except BaseException as e:
+            self._fail_in_flight(e)
             raise
         self.batch_queue.append(_InFlight(so, executed, sampled))
         return True
 
-    def _fail_in_flight(self) -> None:
-        """Mark the engine dead and resolve every step still in flight (each fails or ends
-        within a bound), so no future is left waiting on a dead executor."""
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """Mark the engine and its executor dead and resolve every step still in flight: with
+        the executor failed, each of their futures raises EngineDeadError at once (the ranks
+        may be stuck in a collective that a failed rank never joined), so none is left waiting."""
         self.dead = True
+        self.executor.mark_failed(f"a model step failed ({type(error).__name__}: {error})")
         while self.batch_queue:
             flight = self.batch_queue.popleft()
             for future in (flight.executed, flight.sampled):

@@ -153,6 +153,11 @@ class Executor(ABC):
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
         self.collective_rpc("compile_or_warm_up_model")
 
+    def mark_failed(self, reason: str) -> None:
+        """The engine gives up on this executor (a step failed): every call still waiting, and
+        every later one, raises EngineDeadError. No-op if it failed or shut down already."""
+        self._mark_failed(reason)
+
     def _mark_failed(self, reason: str) -> None:
         """Record the first failure (not after shutdown), log it, run the callback once.
 
