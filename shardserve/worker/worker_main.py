@@ -27,6 +27,7 @@ from shardserve.config import EngineConfig
 from shardserve.errors import RemoteError
 from shardserve.ipc import Handle, MessageQueue, QueueClosed
 from shardserve.ipc.rpc import SHUTDOWN, RpcReply, RpcRequest
+from shardserve.ipc.segments import unlink_segment
 from shardserve.worker.worker import run_method
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,7 @@ def _watch_death_pipe(conn: Connection, orphans: list[str | None]) -> None:
             pass
         logger.error("the engine process is gone; exiting")
         for name in orphans:
-            if name:
-                try:
-                    os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
-                except OSError:
-                    pass
+            unlink_segment(name)
         os._exit(1)
 
     threading.Thread(target=watch, name="death-pipe", daemon=True).start()

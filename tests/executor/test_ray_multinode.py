@@ -74,10 +74,10 @@ def test_one_rank_per_node(two_nodes, tiny_llama_dir, uni_tokens, backend):
         assert [n for n in executor.group.placement.nodes] == [i["node_id"] for i in info]
         if backend == "ray_v2":
             # The remote rank is not a local reader: it gets the broadcast over TCP.
-            assert executor.broadcast.n_local_reader == 1
+            assert executor.rpc.broadcast.n_local_reader == 1
             live = ray.get([a.info.remote() for a in executor.group.actors])
             assert [i["broadcast"] for i in live] == ["shared memory", "tcp"]
-            assert executor._reply_handles[1].shm_name is None
+            assert executor.rpc.reply_handles[1].shm_name is None
         assert _tokens(llm) == uni_tokens
     finally:
         llm.shutdown()
