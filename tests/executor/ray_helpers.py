@@ -62,7 +62,9 @@ def ray_children() -> list[psutil.Process]:
     return out
 
 
-def assert_no_ray_processes(timeout_s: float = 10.0) -> None:
+# Both waits below end as soon as things are clean; the bounds only turn a leak into a failure
+# and leave a loaded 2-core machine time to let Ray's processes exit.
+def assert_no_ray_processes(timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while ray_children() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -73,7 +75,7 @@ def our_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "shardserve" in n}
 
 
-def nothing_left(segments_before: set[str], timeout_s: float = 5.0) -> None:
+def nothing_left(segments_before: set[str], timeout_s: float = 20.0) -> None:
     """No shardserve actor alive, no placement group left, no new shm segment of ours."""
     deadline = time.monotonic() + timeout_s
     while True:
