@@ -7,7 +7,6 @@ into a result shows up as NaN instead of passing silently.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -269,9 +268,11 @@ def _scenario_logits(model: LlamaForCausalLM, vocab: int) -> list[torch.Tensor]:
     return [dec["a"][1], dec["b"][1], *mixed.values()]
 
 
-def _tp_worker(rank: int, world: int, port: int, inputs: str, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, store: str, inputs: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    parallel_state.init_distributed(rank, world, f"tcp://127.0.0.1:{port}", "gloo")
+    # A file store, as the mp executor uses: a port chosen here and bound later by rank 0 could
+    # be taken in between by any other process on the machine.
+    parallel_state.init_distributed(rank, world, f"file://{store}", "gloo")
     try:
         data = torch.load(inputs, weights_only=False)
         results = {}
@@ -289,12 +290,6 @@ def _tp_worker(rank: int, world: int, port: int, inputs: str, out_dir: str) -> N
         parallel_state.destroy_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_two_ranks_match_single(tmp_path: Path) -> None:
     data, expected = {}, {}
     for kind in TP_KINDS:
@@ -302,8 +297,8 @@ def test_tensor_parallel_two_ranks_match_single(tmp_path: Path) -> None:
         data[kind] = (arch, hf.state_dict())
         expected[kind] = _scenario_logits(build_model(hf, arch), arch.vocab_size)
     torch.save(data, tmp_path / "inputs.pt")
-    mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path / "inputs.pt"), str(tmp_path)),
-             nprocs=2, join=True)  # fmt: skip
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "inputs.pt"),
+                               str(tmp_path)), nprocs=2, join=True)  # fmt: skip
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for kind in TP_KINDS:
