@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--verbose", action="store_true", help="print every cell as it runs")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engines = build_engines(args.dtype)
@@ -74,6 +75,9 @@ def main() -> None:
                 for (name, async_on), llm in engines.items():
                     cell = run_cell(llm, batch, args.tokens)
                     samples.setdefault((name, async_on, batch), []).append(cell)
+                    if args.verbose:
+                        print(f"  {name:4} async={async_on!s:5} batch={batch:3} "
+                              f"{cell[0]:8.1f} tok/s  gap {cell[1] * 1e6:7.0f} us", flush=True)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         report(samples, batches, args)
     finally:
