@@ -121,23 +121,50 @@ class Executor(ABC):
         depth = 2 if self.config.scheduler_config.async_scheduling else 1
         return self.parallel_config.pipeline_parallel_size * depth
 
+    # One step is one call per rank: execute_model only stashes its SchedulerOutput, and
+    # sample_tokens sends both as `Worker.execute_step` (one broadcast and one reply per step
+    # instead of two of each). The two are still separate calls of the contract, so a grammar
+    # bitmask computed after execute_model can go with sample_tokens.
+    _stashed_step: SchedulerOutput | None = None
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future:
-        return self.collective_rpc(
-            "execute_model",
-            args=(scheduler_output,),
-            timeout=self.parallel_config.execute_timeout_s,
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
+        self._raise_if_dead()
+        if self._stashed_step is not None:
+            raise RuntimeError("state error: sample_tokens() must follow each execute_model()")
+        self._stashed_step = scheduler_output
+        if not non_block:
+            return None
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
+        scheduler_output, self._stashed_step = self._stashed_step, None
+        if scheduler_output is None:  # nothing stashed: a bare sample_tokens on every rank
+            return self.collective_rpc(
+                "sample_tokens",
+                args=(grammar_output,),
+                timeout=self.parallel_config.execute_timeout_s,
+                non_block=non_block,
+                unique_reply_rank=self.output_rank,
+            )
+        self._raise_if_dead()
+        return self._execute_step(scheduler_output, grammar_output, non_block)
+
+    def _execute_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None,
+        non_block: bool,
+    ) -> ModelRunnerOutput | Future:
+        """Run one whole step on every rank; the output rank's result (or its Future)."""
         return self.collective_rpc(
-            "sample_tokens",
-            args=(grammar_output,),
+            "execute_step",
+            args=(scheduler_output, grammar_output),
             timeout=self.parallel_config.execute_timeout_s,
             non_block=non_block,
             unique_reply_rank=self.output_rank,

@@ -1,7 +1,7 @@
 """RayDistributedExecutor (`ray`): one Ray actor per rank, driven by Ray itself.
 
     collective_rpc ──actor.call.remote()──▶ every rank ──ObjectRef──▶ _RefsFuture (rank order)
-    execute_model  ──stash the SchedulerOutput (returns None)
+    execute_model  ──stash the SchedulerOutput (returns None; Executor's, as every backend)
     sample_tokens  ──(scheduler_output, grammar_output)──▶ execute_step on every rank, either
                      as one actor call per rank, or through a Ray Compiled Graph
                      (InputNode ─▶ execute_step per rank ─▶ MultiOutputNode; shared-memory
@@ -75,7 +75,6 @@ class RayDistributedExecutor(Executor):
         pc = self.parallel_config
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
-        self._stashed: SchedulerOutput | None = None
         self._graph: Any = None
         self._step_failed = False  # since then a rank may be stuck in a collective
         self._graph_failure: ray_utils.RemoteFailure | None = None
@@ -181,23 +180,13 @@ class RayDistributedExecutor(Executor):
         raise error
 
     # ---- model steps ----
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | None | Future:
-        self._raise_if_dead()
-        if self._stashed is not None:
-            raise RuntimeError("state error: sample_tokens() must follow each execute_model()")
-        # Runs with sample_tokens, as one call per rank (see the module docstring).
-        self._stashed = scheduler_output
-        return _done(None) if non_block else None
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    def _execute_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None,
+        non_block: bool,
     ) -> ModelRunnerOutput | Future:
-        scheduler_output, self._stashed = self._stashed, None
-        if scheduler_output is None:
-            return super().sample_tokens(grammar_output, non_block)
-        self._raise_if_dead()
+        # One actor call (or graph execution) per rank per step; see the module docstring.
         inputs = (scheduler_output, grammar_output)
         timeout = self.parallel_config.execute_timeout_s
         if self.use_compiled_graph:
@@ -298,12 +287,6 @@ def _teardown(graph: Any, quiet: bool) -> None:
         logger.warning("compiled graph teardown failed: %s", e)
     finally:
         ray_logger.setLevel(level)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
 
 
 def detach(output: Any) -> Any:

@@ -102,6 +102,13 @@ class Worker:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
+    def execute_step(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
+        """execute_model then sample_tokens: what the executor sends as one call per step."""
+        self.execute_model(scheduler_output)
+        return self.sample_tokens(grammar_output)
+
     def get_idle_gaps(self, reset: bool = True) -> list[float]:
         """Seconds the model sat idle between consecutive steps (end of one step's sampling to
         the start of the next execute_model), since the last reset."""

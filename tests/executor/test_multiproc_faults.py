@@ -127,7 +127,7 @@ def test_stopped_worker_times_out_naming_method_and_rank(tiny_llama_dir):
                 llm.generate(PROMPTS, LONG, use_tqdm=False)
             assert 1.5 < time.monotonic() - t0 < 30  # the 2 s timeout: not early, not a hang
         message = str(err.value)
-        assert "execute_model" in message and f"rank 1 (pid {pid}) is stopped" in message
+        assert "execute_step" in message and f"rank 1 (pid {pid}) is stopped" in message
     finally:
         llm.shutdown()
 
