@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -90,8 +90,7 @@ class Server:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = start_server(args, self.url)
+        self.proc, self.url = start_server(args)
 
     def run(self, prompts: list[str], max_tokens: int) -> Sample:
         results, elapsed = asyncio.run(asyncio.wait_for(
@@ -103,10 +102,13 @@ class Server:
         stop_server(self.proc)
 
 
-def start_server(args: argparse.Namespace, url: str) -> subprocess.Popen:
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """The server process and its URL; it binds a port the OS picks (--port 0) and writes the
+    port to --port-file once it serves, so no other process can take it in between."""
     opts = engine_options(args)
-    cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port",
-           url.rsplit(":", 1)[1], "--dtype", opts["dtype"], "--max-model-len",
+    port_file = tempfile.mktemp(prefix="shardserve-bench-port-")
+    cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--port-file", port_file, "--dtype", opts["dtype"], "--max-model-len",
            str(opts["max_model_len"]), "--max-num-seqs", str(opts["max_num_seqs"]),
            "--uvicorn-log-level", "warning"]
     if args.model:
@@ -117,13 +119,18 @@ def start_server(args: argparse.Namespace, url: str) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     deadline = time.monotonic() + 180
+    url = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {open(log.name).read()[-2000:]}")
         try:
+            if url is None:  # written (atomically) once the server listens
+                with open(port_file) as f:
+                    url = f"http://127.0.0.1:{int(f.read())}"
+                os.unlink(port_file)
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
+                return proc, url
+        except (OSError, ValueError, httpx.HTTPError):
             pass
         time.sleep(0.2)
     stop_server(proc)
@@ -181,12 +188,6 @@ async def server_round(url: str, prompts: list[str], clients: int, max_tokens: i
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         return results, time.perf_counter() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- rounds ----

@@ -16,6 +16,10 @@ width shardserve and HF run back to back (which goes first alternates from round
 the ratio shardserve / HF is taken within that round; the table shows the median of the
 per-round ratios and their range. The tok/s columns are medians over the rounds, and "of bound"
 is the median of the per-round decode / bound.
+
+Threads: HF (and the bandwidth probe) run on the thread shardserve's in-process workers use
+(`uniproc.worker_thread()`), so the process has one OpenMP pool, as each side has when it runs
+alone; with two pools on two cores libgomp stops spinning between kernels and both sides slow.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from _rounds import Rounds, make_prompts, median_or_nan, rotated, spread, timed
 
 from shardserve import LLM, SamplingParams
+from shardserve.executor.uniproc import worker_thread
 from shardserve.model.loader import default_model_path
 
 WARMUP_TOKENS = 4
@@ -35,9 +40,14 @@ DECODE_STEPS = 64
 BW_BUFFER_FLOATS = 128 * 2**20  # 512 MiB of float32
 
 
+def on_worker_thread(fn, *args):
+    """Run torch work on shardserve's in-process worker thread (one OpenMP pool in all)."""
+    return worker_thread().submit(fn, *args).result()
+
+
 def read_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
     """Bytes read per second by a reduction over `buf` (best of `repeats`)."""
-    best = min(timed(buf.sum) for _ in range(repeats))
+    best = min(on_worker_thread(timed, buf.sum) for _ in range(repeats))
     return buf.numel() * buf.element_size() / best
 
 
@@ -59,6 +69,10 @@ def decode1(llm: LLM, prompt: str, steps: int = DECODE_STEPS) -> float:
 
 
 def hf_tok_s(model, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> float:
+    return on_worker_thread(_hf_tok_s, model, tokenizer, prompts, max_tokens, batch)
+
+
+def _hf_tok_s(model, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> float:
     tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -95,7 +109,7 @@ class DtypeBench:
     def __init__(self, dtype: str, hf_model, hf_tok, prompts: list[str], args) -> None:
         self.prompts, self.args, self.hf_tok = prompts, args, hf_tok
         self.widths = [int(w) for w in args.widths.split(",")]
-        self.hf = hf_model.to(getattr(torch, dtype))
+        self.hf = on_worker_thread(hf_model.to, getattr(torch, dtype))
         self.engines = {
             w: LLM(dtype=dtype, max_model_len=1024, max_num_seqs=w) for w in self.widths
         }
@@ -195,8 +209,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median ratio")
     args = ap.parse_args()
     prompts = make_prompts(args.num_prompts)
-    buf = torch.ones(BW_BUFFER_FLOATS, dtype=torch.float32)
-    hf_model, hf_tok = load_hf()
+    buf = on_worker_thread(torch.ones, BW_BUFFER_FLOATS)
+    hf_model, hf_tok = on_worker_thread(load_hf)
     rows = []
     for dtype in args.dtypes.split(","):
         rows.append((dtype, *bench_dtype(dtype, hf_model, hf_tok, prompts, args, buf)))

@@ -64,11 +64,37 @@ def run_cases(llm: LLM, tokens: list[list[int]], stop_text: str) -> dict[str, An
     results["max_tokens"] = _summary(llm.generate(PROMPTS, lengths, use_tqdm=False))
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, n=3)
     results["seeded_n3"] = _summary(llm.generate(PROMPTS[:3], seeded, use_tqdm=False))
-    results["eos"] = _summary(
-        llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
-    )
+    results["eos"] = eos_mid_generation(llm, tokens)
     results["aborts"] = abort_after(llm, k=3)
     return results
+
+
+def _core_run(llm: LLM, requests: list[Request], on_output=None) -> dict[str, list]:
+    """Run requests on the engine core directly: {request id: [tokens, finish reason]}."""
+    core = llm.engine.core
+    got: dict[str, list] = {}
+    for request in requests:
+        core.add_request(request)
+        got[request.request_id] = [[], None]
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1] = out.finish_reason
+            if on_output is not None:
+                on_output(core, out, got[out.request_id][0])
+    return got
+
+
+def eos_mid_generation(llm: LLM, tokens: list[list[int]]) -> dict[str, list]:
+    """Each request's EOS is a token its greedy output reaches mid-way (the model's own EOS id
+    may never come up, so the engine-core request carries its own eos_token_ids)."""
+    params = SamplingParams(max_tokens=24, temperature=0)
+    tokenizer = llm.get_tokenizer()
+    requests = [
+        Request(f"eos-{i}", tokenizer.encode(p), params, eos_token_ids=(t[len(t) // 2],))
+        for i, (p, t) in enumerate(zip(PROMPTS, tokens, strict=True))
+    ]
+    return _core_run(llm, requests)
 
 
 def abort_after(llm: LLM, k: int) -> dict[str, list[int]]:
@@ -78,19 +104,16 @@ def abort_after(llm: LLM, k: int) -> dict[str, list[int]]:
     A synchronous engine has produced exactly k tokens at that moment; an asynchronous one has
     one more in flight, which must never be reported.
     """
-    core = llm.engine.core
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    eos = core.config.model_config.arch.eos_token_ids
     tokenizer = llm.get_tokenizer()
-    got: dict[str, list[int]] = {}
-    for i, prompt in enumerate(PROMPTS):
-        ids = tokenizer.encode(prompt)
-        core.add_request(Request(f"abort-{i}", ids, params, eos_token_ids=eos))
-        got[f"abort-{i}"] = []
-    while core.has_unfinished_requests():
-        for out in core.step():
-            got[out.request_id].extend(out.new_token_ids)
-            i = int(out.request_id.split("-")[1])
-            if i % 2 and len(got[out.request_id]) == k:
-                core.abort_requests([out.request_id])
-    return got
+    eos = llm.engine.core.config.model_config.arch.eos_token_ids
+    requests = [
+        Request(f"abort-{i}", tokenizer.encode(p), params, eos_token_ids=eos)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+    def maybe_abort(core, out, so_far: list[int]) -> None:
+        if int(out.request_id.split("-")[1]) % 2 and len(so_far) == k:
+            core.abort_requests([out.request_id])
+
+    return {rid: toks for rid, (toks, _) in _core_run(llm, requests, maybe_abort).items()}

@@ -44,6 +44,7 @@ def _check_async_equals_sync(llm: LLM, sync_results) -> None:
     assert any(len(c[0]) < 24 for o in want["stop_token"] for c in o)
     assert any(c[2] == "stop" for o in want["stop_string"] for c in o)
     assert [len(v) for v in want["aborts"].values()] == [20, 3, 20, 3, 20, 3]
+    assert all(reason == "stop" and len(t) < 24 for t, reason in want["eos"].values())
 
 
 def test_uni_async_equals_sync(tp3_model, sync_results):
