@@ -75,3 +75,15 @@ def test_mp_tp3_async_equals_sync(tp3_model, sync_results):
         _check_async_equals_sync(llm, sync_results)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_mp_tp3_async_equals_sync_under_preemption(tp3_model, sync_results):
+    llm = _engine(tp3_model, tensor_parallel_size=3, distributed_executor_backend="mp",
+                  num_blocks_override=8, max_num_batched_tokens=24)  # fmt: skip
+    try:
+        _check_async_equals_sync(llm, sync_results)
+        assert llm.engine.core.scheduler.total_preemptions > 0
+        assert llm.engine.core.scheduler.kv.num_free_blocks == 8
+    finally:
+        llm.shutdown()
