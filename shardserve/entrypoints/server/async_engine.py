@@ -272,6 +272,9 @@ class AsyncEngineClient:
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        # The sentinel turns readable as the process ends, a moment before its exit status can
+        # be collected: reap it first (bounded), so the message names the status, not "None".
+        self.proc.join(timeout=1.0)
         if not self._closing:
             self._mark_dead(f"the engine process exited unexpectedly (exit code "
                             f"{self.proc.exitcode})")

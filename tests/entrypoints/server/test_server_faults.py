@@ -124,6 +124,8 @@ def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
             killed_at = time.monotonic()
             engine.kill()
         assert_dead_error(server, reader, killed_at)
+        # The cause is named with the collected exit status (-9: SIGKILL), not "None".
+        assert "exited unexpectedly (exit code -9)" in server.log(), server.log()[-2000:]
     finally:
         server.stop()
     assert not server.leftovers()
