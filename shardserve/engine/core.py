@@ -38,12 +38,12 @@ class _InFlight:
     """One submitted step: its plan and the futures of its two calls."""
 
     scheduler_output: SchedulerOutput
-    executed: Future  # execute_model: its value is unused, but its error must not be lost
+    # execute_model's Future: already done where the executor sends the step as one call with
+    # sample_tokens (every built-in backend); a backend that runs it on its own may fail here.
+    executed: Future
     sampled: Future  # sample_tokens: the output rank's ModelRunnerOutput
 
     def result(self) -> ModelRunnerOutput:
-        # execute_model first: a rank that fails in it answers at once, while the other ranks
-        # may be stuck in a collective waiting for that rank, so `sampled` would never come.
         self.executed.result()
         return self.sampled.result()
 
@@ -159,10 +159,8 @@ class EngineCore:
         self.executor.sleep(level)
 
     def _flush_finished(self) -> None:
-        """Collect steps still in flight, then tell the workers about requests that finished
-        after the last step."""
-        while self.batch_queue:
-            self.step()
+        """Tell the workers about requests that finished after the last step (sleep() runs
+        only with no step in flight)."""
         sched = self.scheduler.schedule()
         if sched.finished_req_ids:
             self.executor.execute_model(sched)

@@ -42,7 +42,7 @@ def choose_start_method() -> str:
 
 def _why_fork_is_unsafe() -> str | None:
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_initialized():
         return "this process holds a CUDA context"
     if threading.current_thread() is not threading.main_thread():
         return "the engine is being created off the main thread"

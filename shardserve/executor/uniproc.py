@@ -35,7 +35,7 @@ def worker_thread() -> ThreadPoolExecutor:
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = worker_thread().submit(self._start_worker).result()
+        self.worker = self._on_worker_thread(self._start_worker)
 
     def _start_worker(self) -> Worker:
         worker = self._make_worker()

@@ -128,12 +128,11 @@ def _take_ready_message(handle: WorkerHandle) -> None:
             f"{error.exc_type}: {error.message}\n--- worker traceback ---\n{error.traceback}"
         )
     handle.process.join(timeout=1)
-    hint = ""
+    hint = "; it sent no error report, so any traceback of its own is on stderr above"
     if handle.start_method == "spawn":
-        hint = (
-            "; it died before running any shardserve code, so its own traceback is on stderr "
-            "above. A spawned worker re-imports the main script first: an import error there, "
-            "or an engine started outside `if __name__ == \"__main__\":`, ends it like this"
+        hint += (
+            ". A spawned worker first re-imports the main script: an import error there, or an "
+            "engine started outside `if __name__ == \"__main__\":`, ends it like this"
         )
     raise WorkerStartupError(
         f"worker rank {handle.rank} (pid {handle.pid}) died during start-up "
