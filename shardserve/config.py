@@ -26,6 +26,7 @@ _DTYPES = {
     "half": torch.float16,
 }
 BACKENDS = ("uni", "mp", "ray", "ray_v2", "external_launcher")
+PP_BACKENDS = ("mp", "ray", "ray_v2", "external_launcher")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -179,15 +180,17 @@ class ParallelConfig:
     ray_use_compiled_graph: bool | None = None
     """ray backend: run model steps through a Ray Compiled Graph instead of actor calls. None:
     only where cores outnumber workers (compiled-graph readers poll, about a core each)."""
+    pp_layer_partition: str | list[int] | None = None
+    """Decoder layers per pipeline stage, comma-separated ("10,10,10"); they must sum to the
+    model's layer count, each >= 1. None: split evenly (earlier stages take the remainder)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
-        _check(
-            self.pipeline_parallel_size == 1,
-            f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; use 1",
-        )
+        if isinstance(self.pp_layer_partition, list | tuple):  # kept as text: hashable, printable
+            text = ",".join(str(n) for n in self.pp_layer_partition)
+            object.__setattr__(self, "pp_layer_partition", text)
         if self.distributed_executor_backend is None:
             backend = "uni" if self.world_size == 1 else "mp"
             object.__setattr__(self, "distributed_executor_backend", backend)
@@ -198,6 +201,11 @@ class ParallelConfig:
             f"{', '.join(BACKENDS)}, an Executor subclass or its dotted path 'pkg.module.Class'",
         )
         if backend == "uni":
+            _check(
+                self.pipeline_parallel_size == 1,
+                f"pipeline_parallel_size={self.pipeline_parallel_size} needs several processes; "
+                f"the backends that take it: {', '.join(PP_BACKENDS)}",
+            )
             _check(
                 self.world_size == 1,
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
@@ -241,6 +249,39 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_of(self, rank: int) -> int:
+        """Pipeline stage of a global rank (rank = stage x TP + tp_rank)."""
+        return rank // self.tensor_parallel_size
+
+    def describe_rank(self, rank: int) -> str:
+        """'rank 3' or, with pipeline stages, 'rank 3 (stage 1, TP rank 1)' for messages."""
+        if self.pipeline_parallel_size == 1:
+            return f"rank {rank}"
+        tp = self.tensor_parallel_size
+        return f"rank {rank} (stage {rank // tp}, TP rank {rank % tp})"
+
+    def layer_partition(self, num_layers: int) -> list[int]:
+        """Decoder layers per stage: pp_layer_partition, or an even split (remainder first)."""
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is None:
+            base, extra = divmod(num_layers, pp)
+            counts = [base + (1 if s < extra else 0) for s in range(pp)]
+        else:
+            counts = _parse_partition(self.pp_layer_partition)
+        _check(
+            len(counts) == pp and sum(counts) == num_layers and min(counts) >= 1,
+            f"pp_layer_partition={self.pp_layer_partition!r} gives {counts}: it needs "
+            f"pipeline_parallel_size={pp} entries, each >= 1, summing to the model's "
+            f"{num_layers} layers (e.g. {_even_example(num_layers, pp)!r})",
+        )
+        return counts
+
+    def stage_layers(self, stage: int, num_layers: int) -> tuple[int, int]:
+        """[start, end) of the decoder layers that `stage` holds."""
+        counts = self.layer_partition(num_layers)
+        start = sum(counts[:stage])
+        return start, start + counts[stage]
 
 
 @dataclass(frozen=True)
@@ -294,6 +335,13 @@ class EngineConfig:
                 f"heads, {arch.num_kv_heads} KV heads); sizes that divide both: "
                 f"{arch.valid_tp_sizes(16)}"
             )
+        pc = self.parallel_config
+        _check(
+            pc.pipeline_parallel_size <= arch.num_layers,
+            f"pipeline_parallel_size={pc.pipeline_parallel_size} exceeds the model's "
+            f"{arch.num_layers} layers; every stage needs at least one",
+        )
+        pc.layer_partition(arch.num_layers)  # validates pp_layer_partition
         sched = self.scheduler_config
         if not sched.enable_chunked_prefill:
             _check(
@@ -324,6 +372,21 @@ class EngineConfig:
         model_config = ModelConfig(model=model, device=device.device, **model_kwargs)
         built = {name: owners[name](**kw) for name, kw in groups.items()}
         return cls(model_config=model_config, device_config=device, **built)
+
+
+def _parse_partition(text: str | list[int] | tuple[int, ...]) -> list[int]:
+    parts = text if isinstance(text, list | tuple) else str(text).split(",")
+    try:
+        return [int(part) for part in parts]
+    except ValueError as e:
+        raise ValueError(
+            f"pp_layer_partition={text!r} must be comma-separated layer counts like '10,10,10'"
+        ) from e
+
+
+def _even_example(num_layers: int, pp: int) -> str:
+    base, extra = divmod(num_layers, max(pp, 1))
+    return ",".join(str(base + (1 if s < extra else 0)) for s in range(max(pp, 1)))
 
 
 def _init_fields(cls: type) -> set[str]:

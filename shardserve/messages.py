@@ -35,6 +35,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallelism only: output tokens each request gained since the workers last saw
+    # it (stages do not see each other's samples, so the scheduler tells them all).
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -1,8 +1,12 @@
-"""Process groups for tensor parallelism.
+"""Process groups: tensor parallelism within a pipeline stage, and the pipeline itself.
 
 Model layers call `get_tp_group()` and use only `.rank`, `.world_size`, `.all_reduce` and
 `.all_gather`. At world size 1 (the default, before `init_distributed`) every collective is the
-identity, so the same layer code runs unsharded in one process.
+identity, so the same layer code runs unsharded in one process. The model runner calls
+`get_pp_group()` for its stage and the hand-off of hidden states between stages.
+
+Layout (stage-major): global rank = stage x TP + tp_rank. TP group of stage s: ranks
+[s*TP, (s+1)*TP); with one stage it is the whole world.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardserve import envs
+from shardserve.distributed.pipeline import PipelineGroup
 from shardserve.distributed.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
@@ -22,10 +27,14 @@ logger = logging.getLogger(__name__)
 class GroupCoordinator:
     """A tensor-parallel group: this rank's index and the collectives the layers need."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: object | None = None) -> None:
-        self.rank = rank
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, group: object | None = None,
+        first_global_rank: int = 0,
+    ) -> None:
+        self.rank = rank  # within the group
         self.world_size = world_size
         self.group = group
+        self.first_global_rank = first_global_rank
         self.shm: ShmAllReduce | None = None  # CPU ranks sharing a machine
         # Which path each collective took (world size > 1 only): a call too big for a slot
         # quietly goes to gloo, so tests and benchmarks read these to know what they measured.
@@ -61,10 +70,15 @@ class GroupCoordinator:
 
 
 _TP_GROUP = GroupCoordinator()
+_PP_GROUP = PipelineGroup()
 
 
 def get_tp_group() -> GroupCoordinator:
     return _TP_GROUP
+
+
+def get_pp_group() -> PipelineGroup:
+    return _PP_GROUP
 
 
 def init_distributed(
@@ -73,12 +87,21 @@ def init_distributed(
     init_method: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    tp_size: int | None = None,
+    pp_slot_bytes: int = 16 << 20,
+    pp_timeout_s: float = 300.0,
 ) -> GroupCoordinator:
-    """Join the default process group and make it the tensor-parallel group.
+    """Join the default process group and build this rank's TP and PP groups.
 
-    Only tensor parallelism is built so far, so the TP group is the whole world.
+    tp_size: ranks per pipeline stage (default: the whole world, one stage). pp_slot_bytes: the
+    largest hand-off between stages that goes through shared memory (bigger ones: gloo);
+    pp_timeout_s bounds a wait for a neighbour stage there.
     """
-    global _TP_GROUP
+    global _TP_GROUP, _PP_GROUP
+    tp_size = tp_size or world_size
+    if world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not a multiple of tp_size={tp_size}")
+    pp_size = world_size // tp_size
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -87,27 +110,49 @@ def init_distributed(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-    _TP_GROUP = GroupCoordinator(rank, world_size, dist.group.WORLD if world_size > 1 else None)
+    stage, tp_rank = divmod(rank, tp_size)
+    _TP_GROUP = GroupCoordinator(tp_rank, tp_size, _stage_group(stage, tp_size, pp_size),
+                                 first_global_rank=stage * tp_size)
+    _PP_GROUP = PipelineGroup(stage, pp_size, tp_size, tp_rank)
     if world_size > 1 and backend == "gloo" and envs.shm_allreduce():
-        _TP_GROUP.shm = _attach_shm_allreduce(rank, world_size)
+        if tp_size > 1:
+            _TP_GROUP.shm = _attach_shm_allreduce(_TP_GROUP)
+        if pp_size > 1:
+            _PP_GROUP.attach_pipes(rank, pp_slot_bytes, pp_timeout_s)
     return _TP_GROUP
 
 
-def _attach_shm_allreduce(rank: int, world_size: int) -> ShmAllReduce | None:
-    """Map one segment on every rank; use it only if every rank could (same machine)."""
+def _stage_group(stage: int, tp_size: int, pp_size: int) -> object | None:
+    """The torch.distributed group of one stage's TP ranks (the world with one stage).
+    Every rank must create every group, in the same order, even those it is not in."""
+    if tp_size * pp_size == 1:
+        return None
+    if pp_size == 1:
+        return dist.group.WORLD
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+    return groups[stage]
+
+
+def _attach_shm_allreduce(coord: GroupCoordinator) -> ShmAllReduce | None:
+    """Map one segment on every rank of the group; use it only if every rank could (same
+    machine). Collective over the group."""
+    rank, world_size, group = coord.rank, coord.world_size, coord.group
     names = [ShmAllReduce.new_name() if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
+    dist.broadcast_object_list(names, src=coord.first_global_rank, group=group)
     shm = None
     try:
         if rank == 0:
             shm = _create_shm(world_size, names[0])
-        dist.barrier()  # created before anyone attaches
+    except OSError:
+        shm = None
+    dist.barrier(group=group)  # created before anyone attaches
+    try:
         if rank != 0:
             shm = ShmAllReduce(rank, world_size, names[0], create=False)
     except OSError:
         shm = None
     ok = torch.tensor([1 if shm is not None else 0])
-    dist.all_reduce(ok)  # gloo: every rank learns whether all ranks mapped it
+    dist.all_reduce(ok, group=group)  # gloo: every rank learns whether all ranks mapped it
     if rank == 0 and shm is not None:
         shm.unlink()  # every rank has mapped it (or given up): nothing left to leak
     if int(ok) != world_size and shm is not None:
@@ -128,9 +173,11 @@ def _create_shm(world_size: int, name: str) -> ShmAllReduce | None:
 
 
 def destroy_distributed() -> None:
-    global _TP_GROUP
+    global _TP_GROUP, _PP_GROUP
     if _TP_GROUP.shm is not None:
         _TP_GROUP.shm.close()
+    _PP_GROUP.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_GROUP = GroupCoordinator()
+    _PP_GROUP = PipelineGroup()

@@ -42,7 +42,7 @@ _COUNTER_STRIDE = 8  # int64s between counters: one cache line each
 _TIMEOUT_S = 300.0
 
 
-def _reserve(fd: int, size: int) -> None:
+def reserve_pages(fd: int, size: int) -> None:
     """Allocate the pages now: tmpfs allocates on first touch, and running out then is a SIGBUS
     mid-step; here it is an OSError, and the caller falls back to gloo."""
     try:
@@ -70,7 +70,7 @@ class ShmAllReduce:
                 slot_bytes = self.slot_bytes_for(world_size, buffer_bytes or self.BUFFER_BYTES)
                 size = header + 2 * world_size * slot_bytes
                 os.ftruncate(fd, size)
-                _reserve(fd, size)
+                reserve_pages(fd, size)
             else:
                 size = os.fstat(fd).st_size
                 slot_bytes = (size - header) // (2 * world_size)

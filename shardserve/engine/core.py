@@ -1,7 +1,7 @@
 """EngineCore: the scheduler and the executor, stepped together. Token ids in, token ids out.
 
 The batch queue: up to `executor.max_concurrent_batches` steps in flight (2 with asynchronous
-scheduling, 1 without), completed in submission order.
+scheduling, 1 without; one per stage with pipeline parallelism), completed in submission order.
 
     step():  schedule N+1 ──submit──▶ executor (execute_model + sample_tokens, non-blocking)
              queue full or nothing to add? ──▶ wait for the oldest step N ──▶ fold its tokens in
@@ -62,6 +62,7 @@ class EngineCore:
             config.scheduler_config,
             KVCacheManager(kv_config.num_blocks, kv_config.block_size),
             config.model_config.max_model_len,
+            num_stages=config.parallel_config.pipeline_parallel_size,
         )
         self.dead = False
         self.max_concurrent_batches = self.executor.max_concurrent_batches

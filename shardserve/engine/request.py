@@ -36,6 +36,8 @@ class Request:
     # Tokens scheduled to be sampled whose ids are not back yet (see scheduler.py).
     num_output_placeholders: int = 0
     num_preemptions: int = 0
+    # Output tokens the workers have been sent (pipeline parallelism: see the scheduler).
+    num_output_tokens_sent: int = 0
     stop_reason: int | str | None = None
 
     @property

@@ -14,6 +14,12 @@ step may already compute that placeholder (the workers feed each request the tok
 themselves), so with two batches in flight the model never waits for the engine. A request is
 never scheduled past its limits (max_tokens, max_model_len) counting its placeholders; a request
 found finished late (EOS, stop token, abort) has the tokens still in flight for it discarded.
+
+Pipeline parallelism (`num_stages` > 1): the engine keeps one batch in flight per stage, so the
+scheduler splits the requests into micro-batches of at most ceil(unfinished / num_stages) each.
+A stage cannot see what the last stage sampled, so a request with a token in flight is not
+scheduled again until that token is back, and each scheduled request carries the tokens the
+workers have not been sent yet (`CachedRequestData.new_token_ids`).
 """
 
 from __future__ import annotations
@@ -33,8 +39,13 @@ from shardserve.messages import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        num_stages: int = 1,
+    ) -> None:
         self.config = config
+        self.num_stages = num_stages
+        self._seq_cap = 1 << 30  # this step's most requests (see _micro_batch_cap)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -72,6 +83,7 @@ class Scheduler:
         num_tokens: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: set[str] = set()
+        self._seq_cap = self._micro_batch_cap()
         budget = self._schedule_running(budget, num_tokens, cached, preempted)
         new_reqs: list[NewRequestData] = []
         if not preempted:  # a full pool admits nobody new this step
@@ -94,7 +106,7 @@ class Scheduler:
         preempted: set[str],
     ) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_tokens) < self._seq_cap:
             request = self.running[i]
             n = min(self._num_new_tokens(request), budget)
             if n <= 0:  # everything it may compute is in flight already
@@ -111,6 +123,9 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.num_stages > 1:
+                cached.new_token_ids.append(request.output_token_ids[request.num_output_tokens_sent:])
+                request.num_output_tokens_sent = len(request.output_token_ids)
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
@@ -121,6 +136,8 @@ class Scheduler:
         """Tokens a running request can compute now: known ones and in-flight placeholders
         not yet scheduled, unless the token in flight is already its last one."""
         placeholders = request.num_output_placeholders
+        if placeholders and self.num_stages > 1:
+            return 0  # the stages need its token from us first
         if placeholders and (
             len(request.output_token_ids) + placeholders >= request.max_output_tokens
             or request.num_tokens + placeholders >= self.max_model_len
@@ -138,7 +155,12 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, num_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_tokens) < self._seq_cap
+        ):
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once that token is known
@@ -149,6 +171,7 @@ class Scheduler:
             if self.kv.allocate(request.request_id, request.num_computed_tokens + n) is None:
                 break
             self.waiting.popleft()
+            request.num_output_tokens_sent = len(request.output_token_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_reqs.append(
@@ -164,6 +187,14 @@ class Scheduler:
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
+
+    def _micro_batch_cap(self) -> int:
+        """Most requests this step may take: with pipeline stages, an even share of the
+        unfinished ones, so that every stage gets a micro-batch; else no cap."""
+        if self.num_stages == 1:
+            return 1 << 30
+        unfinished = len(self.running) + len(self.waiting)
+        return max(1, -(-unfinished // self.num_stages))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import atexit
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,10 @@ class LLM:
         self.engine = LLMEngine(self.config)
         # Runs on shutdown(), on garbage collection and at interpreter exit, whichever is first.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        # weakref's own exit hook may have been registered before Ray's (atexit runs last-in
+        # first-out), and then it would shut us down after Ray has gone: a hook of our own,
+        # registered after the engine (and Ray) started, runs first.
+        atexit.register(self._finalizer)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -70,6 +70,13 @@ class Executor(ABC):
         # Serialises failure marking: the callback must have run before any thread can see
         # `_death` and raise EngineDeadError (re-entrant: a callback may call back into us).
         self._fail_lock = threading.RLock()
+        pp = self.parallel_config.pipeline_parallel_size
+        if pp > 1 and not self.supports_pp:
+            supported = [name for name in _BACKENDS if name != "uni"]
+            raise ValueError(
+                f"{type(self).__name__} does not support pipeline_parallel_size={pp}; "
+                f"use one of the backends {', '.join(supported)}"
+            )
         self._init_executor()
 
     # ---- what a backend implements ----
@@ -116,10 +123,16 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Steps the engine may keep in flight: one per pipeline stage, two per stage with
-        asynchronous scheduling (the next step is queued while the current one runs)."""
-        depth = 2 if self.config.scheduler_config.async_scheduling else 1
-        return self.parallel_config.pipeline_parallel_size * depth
+        """Steps the engine may keep in flight: one per pipeline stage; without stages, two
+        with asynchronous scheduling (the next step is queued while the current one runs).
+
+        Not two per stage: a stage cannot run a request's next token before the last stage
+        has sampled it (see scheduler.py), so a second batch per stage would have no requests
+        left to hold."""
+        pp = self.parallel_config.pipeline_parallel_size
+        if pp > 1:
+            return pp
+        return 2 if self.config.scheduler_config.async_scheduling else 1
 
     # One step is one call per rank: execute_model only stashes its SchedulerOutput, and
     # sample_tokens sends both as `Worker.execute_step` (one broadcast and one reply per step

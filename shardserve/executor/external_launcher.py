@@ -10,6 +10,11 @@ generators), so the engines stay in lockstep and every rank returns the same out
 could break the lockstep, and are settled here across ranks: the KV-cache size (each rank's free
 memory differs, so all take the minimum) and the world size (it must match the launcher's).
 Feed every rank the same prompts and sampling parameters.
+
+With pipeline stages only the last stage samples, so after each step the output rank
+broadcasts its ModelRunnerOutput to every rank (one small gloo broadcast per step) and every
+engine folds in the same tokens. That broadcast makes each rank wait for the whole pipeline
+every step: stages take turns rather than overlap (correct, not fast; use mp for speed).
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from concurrent.futures import Future
+
 from shardserve.executor.uniproc import UniProcExecutor
+from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.worker import Worker
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -41,6 +49,8 @@ def launcher_env() -> tuple[int, int, int, int]:
 
 
 class ExternalLauncherExecutor(UniProcExecutor):
+    supports_pp = True
+
     def _make_worker(self) -> Worker:
         rank, local_rank, world, local_world = launcher_env()
         expected = self.parallel_config.world_size
@@ -67,3 +77,21 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
         # On the worker's thread: the process group's collectives stay on one thread.
         return [self._on_worker_thread(agree)]
+
+    def _execute_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None,
+        non_block: bool,
+    ) -> ModelRunnerOutput | Future:
+        if self.parallel_config.pipeline_parallel_size == 1:
+            return super()._execute_step(scheduler_output, grammar_output, non_block)
+        src = self.output_rank
+
+        def step_and_share(worker: Worker) -> ModelRunnerOutput:
+            output = worker.execute_step(scheduler_output, grammar_output)
+            box = [output if worker.rank == src else None]
+            dist.broadcast_object_list(box, src=src)  # the last stage's tokens, to every rank
+            return box[0]
+
+        return self.collective_rpc(step_and_share, non_block=non_block, unique_reply_rank=0)

@@ -38,6 +38,8 @@ _SHUTDOWN_GRACE_S = 2.0
 
 
 class MultiprocExecutor(Executor):
+    supports_pp = True
+
     def _init_executor(self) -> None:
         pc = self.parallel_config
         self.world_size = pc.world_size

@@ -6,6 +6,8 @@
                      as one actor call per rank, or through a Ray Compiled Graph
                      (InputNode ─▶ execute_step per rank ─▶ MultiOutputNode; shared-memory
                      channels on CPU) ─▶ the output rank's ModelRunnerOutput
+    with pipeline stages, the graph is a chain per TP rank t (hidden states flow through it):
+        InputNode ─▶ stage 0 rank t ─(hidden, residual)─▶ stage 1 rank t ─▶ ... ─▶ last stage
 
 One call per rank per step either way: execute_model and sample_tokens travel together.
 Liveness: every actor runs a watch() call in a concurrency group of its own, which ends only
@@ -69,6 +71,7 @@ class _LazyFuture(Future):
 
 
 class RayDistributedExecutor(Executor):
+    supports_pp = True
     uses_ray = True
 
     def _init_executor(self) -> None:
@@ -214,7 +217,7 @@ class RayDistributedExecutor(Executor):
                     raise EngineDeadError(cause) from e
                 raise
             self._raise_first_failure(values, "execute_step")
-            return detach(values[self.output_rank])
+            return detach(values[self._graph_output_index()])
 
         future = _LazyFuture(fetch, deadline)
         return future if non_block else future.result()
@@ -227,12 +230,34 @@ class RayDistributedExecutor(Executor):
             # Ray's default read deadline (10 s) is shorter than a slow model step may be.
             ctx.get_timeout = max(ctx.get_timeout, int(self.parallel_config.execute_timeout_s))
             with InputNode() as step_input:
-                dag = MultiOutputNode([a.execute_step.bind(step_input) for a in self.actors])
+                dag = MultiOutputNode(self._graph_outputs(step_input))
             self._graph = dag.experimental_compile()
             threading.Thread(
                 target=self._watch_graph_failures, name="shardserve-graph-failures", daemon=True
             ).start()
         return self._graph
+
+    def _graph_outputs(self, step_input: Any) -> list[Any]:
+        """One node per rank. With pipeline stages, each stage's rank t reads its input pair
+        from stage s-1's rank t through the graph's channel, and the outputs are the last
+        stage's nodes; else every rank's execute_step."""
+        pc = self.parallel_config
+        if pc.pipeline_parallel_size == 1:
+            return [a.execute_step.bind(step_input) for a in self.actors]
+        tp = pc.tensor_parallel_size
+        stage_nodes = [a.execute_stage.bind(step_input) for a in self.actors[:tp]]
+        for stage in range(1, pc.pipeline_parallel_size):
+            actors = self.actors[stage * tp : (stage + 1) * tp]
+            stage_nodes = [
+                a.execute_stage.bind(step_input, prev)
+                for a, prev in zip(actors, stage_nodes, strict=True)
+            ]
+        return stage_nodes
+
+    def _graph_output_index(self) -> int:
+        """Where the output rank's value sits among the graph's outputs."""
+        pc = self.parallel_config
+        return self.output_rank if pc.pipeline_parallel_size == 1 else 0
 
     def _watch_graph_failures(self) -> None:
         """A graph step returns only when every rank has, and the peers of a failed rank may

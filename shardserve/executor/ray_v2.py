@@ -31,6 +31,7 @@ _SHUTDOWN_GRACE_S = 2.0
 
 
 class RayExecutorV2(Executor):
+    supports_pp = True
     uses_ray = True
 
     def _init_executor(self) -> None:

@@ -112,11 +112,33 @@ class RayWorkerWrapper:
     def execute_step(self, inputs: tuple[SchedulerOutput, GrammarOutput | None]) -> Any:
         """One model step (execute_model then sample_tokens): one call or graph node per rank.
         Only the output rank returns its ModelRunnerOutput; the others return None."""
+        return self._step(inputs, graph_handoff=False, intermediate=None)
+
+    def execute_stage(
+        self, inputs: tuple[SchedulerOutput, GrammarOutput | None], intermediate: Any = None
+    ) -> Any:
+        """A pipeline stage's node of a compiled graph: `intermediate` is the previous stage's
+        (hidden, residual) pair, read from the graph's channel (None on the first stage); a
+        stage before the last returns its own pair for the next stage's node, the last stage
+        returns as execute_step does. A failure upstream passes through untouched."""
+        if isinstance(intermediate, RemoteFailure):
+            return intermediate
+        return self._step(inputs, graph_handoff=True, intermediate=intermediate)
+
+    def _step(
+        self, inputs: tuple[SchedulerOutput, GrammarOutput | None], graph_handoff: bool,
+        intermediate: Any,
+    ) -> Any:
         self._set_threads()
         scheduler_output, grammar_output = inputs
         try:
+            runner = self.worker.model_runner
+            if graph_handoff and runner is not None:
+                runner.graph_handoff, runner.inbound = True, intermediate
             self.worker.execute_model(scheduler_output)
             output = self.worker.sample_tokens(grammar_output)
+            if graph_handoff and runner is not None and self.rank < self.output_rank:
+                return runner.take_outbound()
         except Exception as e:
             failure = RemoteFailure(RemoteError.capture(self.rank, os.getpid(), e))
             # Peers may now wait for us in a collective for ever, and a compiled graph

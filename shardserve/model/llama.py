@@ -137,27 +137,54 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+    """The decoder layers [start, end) of one pipeline stage (all of them by default): the
+    embedding only on the stage that starts at layer 0, the final norm only on the one that ends
+    at the last layer. Other stages take and return the (hidden, residual) pair in between."""
+
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, device="cpu",
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.start, self.end = layer_range or (0, arch.num_layers)
+        self.is_first, self.is_last = self.start == 0, self.end == arch.num_layers
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, dtype, device
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, dtype, device) for _ in range(self.end - self.start)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        if self.is_last:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, dtype, device
         )
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states on the last stage, else the (hidden, residual) pair to hand on.
+        `intermediate` is the previous stage's pair (every stage but the first)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         rope = self.rotary.for_step(meta.positions, meta.max_seq_len)  # shared by all layers
-        x = self.embed_tokens(input_ids)
-        residual = None
+        if self.is_first:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError(f"the stage starting at layer {self.start} needs the "
+                                 f"previous stage's hidden states")
+            x, residual = intermediate
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, cache, meta)
+        if not self.is_last:
+            assert residual is not None  # every stage has at least one layer
+            return x, residual
         return self.norm(x, residual)[0]
 
 
@@ -170,12 +197,19 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # Non-parameter tensors some checkpoints carry; safe to drop.
 _IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.")
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device="cpu") -> None:
+    """The whole model, or with `layer_range` one pipeline stage of it: the LM head lives on the
+    last stage (a copy of the embedding there when the two are tied and on different stages)."""
+
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, device="cpu",
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         tp = get_tp_group()
         check_tp_size(arch, tp.world_size)
@@ -186,22 +220,26 @@ class LlamaForCausalLM(nn.Module):
             )
         self.arch = arch
         self.dtype = dtype
-        self.model = LlamaModel(arch, dtype, device)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, device)
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = LlamaModel(arch, dtype, device, layer_range)
+        self.is_first, self.is_last = self.model.is_first, self.model.is_last
+        if self.is_last:
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, device)
+            if arch.tie_word_embeddings and self.is_first:
+                self.lm_head.tie_to(self.model.embed_tokens)
         self.local_num_kv_heads = arch.num_kv_heads // tp.world_size
         self.head_dim = arch.head_dim
-        self.num_layers = arch.num_layers
+        self.num_layers = len(self.model.layers)  # this stage's: its KV cache has one per layer
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
-        return self.model(input_ids, attn_metadata, kv_caches)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [num_tokens, hidden] after the final norm (last stage), or the
+        (hidden, residual) pair for the next stage."""
+        return self.model(input_ids, attn_metadata, kv_caches, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab_size] over the full vocab (gathered across TP ranks)."""
@@ -236,7 +274,9 @@ class LlamaForCausalLM(nn.Module):
     def _set_packed(self, packed: bool) -> None:
         """Switch matmul layers to (or back from) prepacked weights where the dtype gains."""
         for module in self.modules():
-            if isinstance(module, MatmulLayer) and module is not self.model.embed_tokens:
+            if isinstance(module, MatmulLayer) and module is not getattr(
+                self.model, "embed_tokens", None
+            ):
                 if packed:
                     module.pack_weight()
                 else:
@@ -246,13 +286,34 @@ class LlamaForCausalLM(nn.Module):
         """Our parameter name and shard id for an HF tensor name; None to skip it."""
         if _IGNORED_RE.search(hf_name):
             return None
-        if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+        hf_name = self._stage_name(hf_name)
+        if not hf_name:
+            return None  # another pipeline stage's weight
+        if hf_name == "lm_head.weight" and self.arch.tie_word_embeddings and self.is_first:
             return None  # tied: the embedding supplies it (some checkpoints store a copy)
         match = _STACKED_RE.search(hf_name)
         if match is None:
             return hf_name, None
         fused, shard_id = _STACKED[match.group(1)]
         return hf_name.replace(f".{match.group(1)}.", f".{fused}."), shard_id
+
+    def _stage_name(self, hf_name: str) -> str:
+        """The name in this stage's modules ('' if another stage holds the weight): layers are
+        renumbered from the stage's first; a tied LM head on its own stage loads the
+        embedding's tensor."""
+        model = self.model
+        if match := _LAYER_RE.match(hf_name):
+            index = int(match.group(1))
+            if not model.start <= index < model.end:
+                return ""
+            return f"model.layers.{index - model.start}.{hf_name[match.end():]}"
+        if hf_name == "model.embed_tokens.weight":
+            if model.is_first:
+                return hf_name
+            return "lm_head.weight" if self.arch.tie_word_embeddings and self.is_last else ""
+        if hf_name == "model.norm.weight" or hf_name == "lm_head.weight":
+            return hf_name if self.is_last else ""
+        return hf_name
 
 
 def _expected_pieces(params: dict[str, nn.Parameter]) -> set[tuple[str, object]]:

@@ -4,6 +4,12 @@ It keeps each running request's state between steps (its tokens, block table and
 the scheduler only sends what changed. Every rank runs the same code on the same inputs and samples
 with identically seeded generators, so tensor-parallel ranks stay in step without exchanging the
 sampled tokens; only the output rank's reply is used.
+
+Pipeline stages: each rank holds its stage's layers and KV cache only. A stage after the first
+receives the previous stage's (hidden, residual) pair, a stage before the last hands its own on;
+only the last stage computes logits and samples. Stages never see each other's sampled tokens,
+so with pipeline parallelism every rank takes each request's new tokens from the scheduler
+(`CachedRequestData.new_token_ids`) and none appends what it sampled itself.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.distributed.parallel_state import get_pp_group
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.model.attention import (
     AttentionMetadata,
@@ -71,6 +78,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.model_config.seed)
         self._pending: _PendingSample | None = None
+        self.tokens_from_scheduler = config.parallel_config.pipeline_parallel_size > 1
+        # Ray compiled graph: hidden states cross stages as the graph's node values instead of
+        # through the PipelineGroup (set by the caller before each step).
+        self.graph_handoff = False
+        self.inbound: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._outbound: tuple[torch.Tensor, torch.Tensor] | None = None
         # Idle gaps: from the end of one step (its sampling) to the start of the next step's
         # execute_model, in seconds. How long the model waited for the engine.
         self.idle_gaps: deque[float] = deque(maxlen=100_000)
@@ -78,7 +91,10 @@ class ModelRunner:
 
     # ---- setup ----
     def load_model(self) -> None:
-        model = LlamaForCausalLM(self.arch, self.dtype, self.device)
+        layers = self.config.parallel_config.stage_layers(
+            get_pp_group().stage, self.arch.num_layers
+        )
+        model = LlamaForCausalLM(self.arch, self.dtype, self.device, layers)
         model.load_weights(iter_weights(self.config.model_config.path))
         self.model = model.eval()
 
@@ -107,8 +123,15 @@ class ModelRunner:
         n = min(self.block_size, 8)
         meta = AttentionMetadata.build([n], [n], [[0]], self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self._require_model()(ids, meta, self._require_kv())
-        self._require_model().compute_logits(hidden[meta.logits_indices])
+        model = self._require_model()
+        # A later stage runs on zeros instead of receiving: warm-up is no collective.
+        pair = None if model.is_first else tuple(
+            torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            for _ in range(2)
+        )
+        hidden = model(ids, meta, self._require_kv(), pair)
+        if model.is_last:
+            model.compute_logits(hidden[meta.logits_indices])
 
     def free_kv_cache(self) -> None:
         self.kv_caches = None
@@ -136,6 +159,9 @@ class ModelRunner:
             state = self.requests[rid]
             state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        if self.tokens_from_scheduler:
+            for rid, tokens in zip(cached.req_ids, cached.new_token_ids, strict=True):
+                self.requests[rid].sampling.output_token_ids.extend(tokens)
 
     def reset_idle_gaps(self) -> None:
         self.idle_gaps.clear()
@@ -153,7 +179,11 @@ class ModelRunner:
         states = [self.requests[rid] for rid in order]
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
         input_ids, meta = self._prepare_inputs(states, query_lens)
-        hidden = self._require_model()(input_ids, meta, self._require_kv())
+        hidden = self._forward(input_ids, meta)
+        if hidden is None:  # not the last stage: nothing to sample here
+            for s, n in zip(states, query_lens, strict=True):
+                s.num_computed_tokens += n
+            return
         # Only requests whose every token is now computed get a new token (not mid-prefill ones).
         rows = [
             i
@@ -166,6 +196,34 @@ class ModelRunner:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
             logits = self._require_model().compute_logits(hidden[idx])
             self._pending = _PendingSample([states[i] for i in rows], logits)
+
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """This stage's part of the forward pass: final hidden states on the last stage, else
+        None after handing the (hidden, residual) pair to the next stage."""
+        model, pp = self._require_model(), get_pp_group()
+        pair = None
+        if not pp.is_first:
+            if self.graph_handoff:
+                pair, self.inbound = self.inbound, None
+            else:
+                shape = (input_ids.shape[0], self.arch.hidden_size)
+                hidden, residual = pp.recv([shape, shape], self.dtype, self.device)
+                pair = (hidden, residual)
+        out = model(input_ids, meta, self._require_kv(), pair)
+        if pp.is_last:
+            assert isinstance(out, torch.Tensor)
+            return out
+        if self.graph_handoff:
+            self._outbound = out
+        else:
+            pp.send(list(out))
+        return None
+
+    def take_outbound(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pair this (non-last) stage produced in the last step, for the caller to hand on
+        (graph hand-off; None when the step had no tokens)."""
+        out, self._outbound = self._outbound, None
+        return out
 
     def _prepare_inputs(
         self, states: list[CachedRequestState], query_lens: list[int]
@@ -205,8 +263,9 @@ class ModelRunner:
         mask = self._allowed_mask(pending.states, grammar_output)
         out = self.sampler(pending.logits, meta, mask)
         sampled = out.sampled_token_ids.cpu().numpy()
-        for s, token in zip(pending.states, sampled.tolist(), strict=True):
-            s.sampling.output_token_ids.append(token)
+        if not self.tokens_from_scheduler:
+            for s, token in zip(pending.states, sampled.tolist(), strict=True):
+                s.sampling.output_token_ids.append(token)
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in pending.states],
             sampled_token_ids=sampled,

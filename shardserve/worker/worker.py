@@ -68,8 +68,19 @@ class Worker:
             if self.distributed_init_method is None:
                 raise ValueError("a multi-rank worker needs distributed_init_method")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            init_distributed(self.rank, self.world_size, self.distributed_init_method, backend)
+            pc = self.config.parallel_config
+            init_distributed(
+                self.rank, self.world_size, self.distributed_init_method, backend,
+                tp_size=pc.tensor_parallel_size, pp_slot_bytes=self._handoff_bytes(),
+                pp_timeout_s=pc.execute_timeout_s,
+            )
         torch.manual_seed(self.config.model_config.seed)
+
+    def _handoff_bytes(self) -> int:
+        """The largest stage-to-stage message: a full step's (hidden, residual) pair."""
+        tokens = self.config.scheduler_config.max_num_batched_tokens
+        itemsize = torch.empty((), dtype=self.config.model_config.torch_dtype).element_size()
+        return 2 * tokens * self.config.model_config.arch.hidden_size * itemsize
 
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.device)

@@ -27,10 +27,11 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, pickle, sys
     from shardserve import LLM
-    model, work = sys.argv[1], sys.argv[2]
+    model, work, tp, pp, async_on = sys.argv[1:6]
     with open(work, "rb") as f:
         prompts, params = pickle.load(f)
-    llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+    llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=int(tp),
+              pipeline_parallel_size=int(pp), async_scheduling=async_on == "1",
               distributed_executor_backend="external_launcher")
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -41,7 +42,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "async_on"),
+    [(2, 1, True), (1, 2, True), (1, 2, False)],
+    ids=["tp2", "pp2-async", "pp2-sync"],
+)
+def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
     before = our_segments()
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256)
     try:
@@ -54,7 +60,7 @@ def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(tiny_llama_dir), str(work)],
+         str(script), str(tiny_llama_dir), str(work), str(tp), str(pp), "1" if async_on else "0"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
