@@ -254,12 +254,12 @@ class ParallelConfig:
         """Pipeline stage of a global rank (rank = stage x TP + tp_rank)."""
         return rank // self.tensor_parallel_size
 
-    def describe_rank(self, rank: int) -> str:
-        """'rank 3' or, with pipeline stages, 'rank 3 (stage 1, TP rank 1)' for messages."""
+    def describe_rank(self, rank: int, where: str) -> str:
+        """'rank 3 (pid 7)' or, with pipeline stages, 'rank 3 (stage 1, TP rank 1, pid 7)'."""
         if self.pipeline_parallel_size == 1:
-            return f"rank {rank}"
+            return f"rank {rank} ({where})"
         tp = self.tensor_parallel_size
-        return f"rank {rank} (stage {rank // tp}, TP rank {rank % tp})"
+        return f"rank {rank} (stage {rank // tp}, TP rank {rank % tp}, {where})"
 
     def layer_partition(self, num_layers: int) -> list[int]:
         """Decoder layers per stage: pp_layer_partition, or an even split (remainder first)."""

@@ -73,8 +73,8 @@ class MultiprocExecutor(Executor):
     # ---- failure ----
     def _on_worker_death(self, handle: WorkerHandle) -> None:
         self._mark_failed(
-            f"worker rank {handle.rank} (pid {handle.pid}) died unexpectedly "
-            f"({handle.describe_exit()})"
+            f"worker {self.parallel_config.describe_rank(handle.rank, f'pid {handle.pid}')} "
+            f"died unexpectedly ({handle.describe_exit()})"
         )
 
     def collective_rpc(self, *args: Any, **kwargs: Any) -> Any:  # see Executor
@@ -89,7 +89,8 @@ class MultiprocExecutor(Executor):
             return None
         h = sentinels[ready[0]]
         h.process.join(timeout=1)
-        return f"worker rank {h.rank} (pid {h.pid}) died unexpectedly ({h.describe_exit()})"
+        who = self.parallel_config.describe_rank(h.rank, f"pid {h.pid}")
+        return f"worker {who} died unexpectedly ({h.describe_exit()})"
 
     def _unusual_workers(self) -> str:
         """Workers that are not running or waiting (stopped, zombie...), for timeout messages:

@@ -169,7 +169,7 @@ class RayWorkerGroup:
     def describe(self, rank: int, reason: str) -> str:
         info = self.info[rank] if rank < len(self.info) else {}
         where = f"pid {info.get('pid', '?')} on node {info.get('node_ip', '?')}"
-        return f"worker rank {rank} ({where}) died unexpectedly ({reason})"
+        return f"worker {self.pc.describe_rank(rank, where)} died unexpectedly ({reason})"
 
     # ---- stop ----
     def stop_watching(self) -> None:

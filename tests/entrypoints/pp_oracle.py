@@ -1,0 +1,53 @@
+"""The HF oracle of the pipeline tests (mp and Ray alike): the default model's float32 greedy
+output on the 8 prompts of test_llm_oracle.py, 32 tokens each, must equal HF's token for token."""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve import LLM, SamplingParams
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CHAT_PROMPTS = [
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Name three fruits.",
+    "Explain gravity in one sentence.",
+]
+_CACHE: dict[tuple[int, ...], list[int]] = {}
+
+
+def oracle_prompt_ids(tok) -> list[list[int]]:
+    chat = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
+        )
+        for p in CHAT_PROMPTS
+    ]
+    return [tok.encode(p) for p in RAW_PROMPTS] + [list(c) for c in chat]
+
+
+def hf_greedy(hf_model, ids: list[int], n: int = 32) -> list[int]:
+    """HF generate's greedy continuation (memoised: several engines ask for the same)."""
+    key = (n, *ids)
+    if key not in _CACHE:
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=2
+            )
+        _CACHE[key] = ref[0, len(ids) :].tolist()
+    return _CACHE[key]
+
+
+def assert_matches_hf(llm: LLM, hf_model, n: int = 32) -> None:
+    tok = llm.get_tokenizer()
+    prompt_ids = oracle_prompt_ids(tok)
+    params = SamplingParams(max_tokens=n, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    for ids, out in zip(prompt_ids, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, n), tok.decode(ids)
