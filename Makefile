@@ -24,7 +24,7 @@ lint: $(STAMP)
 # Ray's in-process core worker replaces the crash handlers and keeps native threads after
 # ray.shutdown(); its tests run in their own interpreter so nothing else shares that state.
 RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
-	tests/executor/test_ray_async.py \
+	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
 	tests/executor/test_ray_utils.py
 
 test: lint

@@ -105,9 +105,10 @@ def _layer_bytes(worker) -> int:
 
 @pytest.mark.slow
 def test_each_stage_holds_only_its_weights():
-    """Default model (30 layers, tied 49152 x 576 embedding): the decoder layers split in
-    half exactly; with the tied embedding on stage 0 and its LM-head copy on stage 1, each
-    rank holds ~0.61 of the whole (the embedding is a fifth of the model)."""
+    """Default model (30 layers, tied 49152 x 576 embedding), float32: the decoder layers split
+    in half exactly. The embedding table sits on stage 0 and the LM head on stage 1; one rank
+    holds both, the LM head as its own prepacked copy, so each PP=2 rank holds half of PP=1's
+    bytes (measured: 0.50 and 0.50 of 651 MB)."""
     options = dict(dtype="float32", max_model_len=256, distributed_executor_backend="mp")
     llm = LLM(**{**options, "distributed_executor_backend": "uni"})
     try:
@@ -126,7 +127,7 @@ def test_each_stage_holds_only_its_weights():
           f"({[round(b / whole, 3) for b in per_rank]})")  # fmt: skip
     assert layers == [whole_layers // 2] * 2
     assert kv_layers == [15, 15]
-    assert all(b <= 0.62 * whole for b in per_rank), (per_rank, whole)
+    assert all(b <= 0.55 * whole for b in per_rank), (per_rank, whole)
 
 
 def _kill_in_stage(tiny_model: Path, victim: int) -> None:
