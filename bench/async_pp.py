@@ -1,11 +1,19 @@
-"""Asynchronous scheduling against synchronous, per backend and batch size, in one run.
+"""Asynchronous scheduling against synchronous, per backend and batch size; and tensor against
+pipeline parallelism; in one run.
 
     python bench/async_pp.py [--rounds 3] [--tokens 64] [--batches 1,32] [--dtype auto]
+                             [--parallel-batch 64] [--no-async-table] [--no-parallel-table]
 
 Engines (all up at once, default model): uni and mp (TP=1, one worker process), each with
 async_scheduling off and on. Each round runs every (engine, batch) cell once, in turn, so the
 machine's drift hits every cell alike: `batch` prompts x --tokens new tokens (EOS ignored),
 after one untimed warm-up generation per engine.
+
+Parallelism table (--parallel-batch prompts, mp, async scheduling on): TP=1, TP=2 and PP=2 on
+a random-weight model of the default model's size whose heads divide by 2 (8 heads of 72, see
+executor_overhead.py), all three up at once, sampled in the same interleaved rounds (the order
+rotating per round); reported: tokens/s medians and the per-round ratios PP=2/TP=2, TP=2/TP=1,
+PP=2/TP=1 (median, with their range).
 
 Per cell: tokens/s of the generation, and the worker's idle gap between the end of one step
 (its sampling) and the start of the next step's execute_model, measured inside the worker
@@ -18,7 +26,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+from _rounds import Rounds, rotated, spread
+from executor_overhead import build_tp2_model
 
 from shardserve import LLM, SamplingParams
 
@@ -63,7 +76,53 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--verbose", action="store_true", help="print every cell as it runs")
+    parser.add_argument("--parallel-batch", type=int, default=64)
+    parser.add_argument("--no-async-table", action="store_true")
+    parser.add_argument("--no-parallel-table", action="store_true")
     args = parser.parse_args()
+    if not args.no_async_table:
+        async_table(args)
+    if not args.no_parallel_table:
+        parallel_table(args)
+
+
+PARALLEL = {"TP=1": dict(tensor_parallel_size=1), "TP=2": dict(tensor_parallel_size=2),
+            "PP=2": dict(pipeline_parallel_size=2)}  # fmt: skip
+
+
+def parallel_table(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as tmp:
+        model = str(build_tp2_model(Path(tmp) / "tp2"))
+        engines = {
+            name: LLM(model, dtype=args.dtype, max_model_len=1024, max_num_seqs=128,
+                      kv_cache_memory_bytes=256 * 2**20, distributed_executor_backend="mp",
+                      **options)  # fmt: skip
+            for name, options in PARALLEL.items()
+        }
+        try:
+            for llm in engines.values():
+                run_cell(llm, args.parallel_batch, 8)
+            rounds = Rounds()
+            for r in range(args.rounds):
+                for name in rotated(list(engines), r):
+                    tok_s, _ = run_cell(engines[name], args.parallel_batch, args.tokens)
+                    rounds.add(name, tok_s)
+                    if args.verbose:
+                        print(f"  {name} {tok_s:8.1f} tok/s", flush=True)
+                print(f"parallel round {r + 1}/{args.rounds} done", flush=True)
+        finally:
+            for llm in engines.values():
+                llm.shutdown()
+    print(f"\n8-head random model of the default model's size, mp, dtype={args.dtype}, batch "
+          f"{args.parallel_batch}, {args.tokens} new tokens, {args.rounds} interleaved rounds")
+    for name in PARALLEL:
+        print(f"{name:5} {rounds.median(name):8.1f} tok/s")
+    for num, den in (("PP=2", "TP=2"), ("TP=2", "TP=1"), ("PP=2", "TP=1")):
+        print(f"{num}/{den}: {rounds.ratio(num, den):.2f}x "
+              f"(per-round {spread(rounds.ratios(num, den))})")
+
+
+def async_table(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     engines = build_engines(args.dtype)
     try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import atexit
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any

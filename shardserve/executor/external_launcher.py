@@ -20,11 +20,10 @@ every step: stages take turns rather than overlap (correct, not fast; use mp for
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
-
-from concurrent.futures import Future
 
 from shardserve.executor.uniproc import UniProcExecutor
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
