@@ -180,9 +180,10 @@ class ParallelConfig:
     ray_use_compiled_graph: bool | None = None
     """ray backend: run model steps through a Ray Compiled Graph instead of actor calls. None:
     only where cores outnumber workers (compiled-graph readers poll, about a core each)."""
-    pp_layer_partition: str | list[int] | None = None
-    """Decoder layers per pipeline stage, comma-separated ("10,10,10"); they must sum to the
-    model's layer count, each >= 1. None: split evenly (earlier stages take the remainder)."""
+    pp_layer_partition: str | None = None
+    """Decoder layers per pipeline stage, comma-separated ("10,10,10"; a list of ints is taken
+    too); they must sum to the model's layer count, each >= 1. None: split evenly (earlier
+    stages take the remainder)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -53,7 +53,8 @@ _ENGINE_RENAMES = {"seed": "engine-seed"}
 # Help for fields without an attribute docstring in config.py (the docstring wins when added).
 _ENGINE_HELP = {
     "tensor_parallel_size": "Ranks that shard each layer.",
-    "pipeline_parallel_size": "Pipeline stages (only 1 is supported).",
+    "pipeline_parallel_size": "Pipeline stages: each rank holds a contiguous slice of the "
+    "layers (mp, ray, ray_v2, external_launcher).",
     "enable_chunked_prefill": "Split long prompts across steps to fit the token budget.",
 }
 
