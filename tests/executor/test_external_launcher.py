@@ -44,8 +44,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize(
     ("tp", "pp", "async_on"),
-    [(2, 1, True), (1, 2, True), (1, 2, False)],
-    ids=["tp2", "pp2-async", "pp2-sync"],
+    [(2, 1, True), (1, 2, True), (1, 2, False), (2, 2, True)],
+    ids=["tp2", "pp2-async", "pp2-sync", "tp2xpp2"],
 )
 def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
     before = our_segments()
@@ -59,13 +59,15 @@ def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) ->
     work.write_bytes(pickle.dumps((PROMPTS, PARAMS)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(tiny_llama_dir), str(work), str(tp), str(pp), "1" if async_on else "0"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", str(tp * pp), str(script), str(tiny_llama_dir), str(work),
+         str(tp), str(pp), "1" if async_on else "0"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [json.loads((tmp_path / f"work.pkl.rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert got[0] == got[1] == want
+    got = [json.loads((tmp_path / f"work.pkl.rank{rank}.json").read_text())
+           for rank in range(tp * pp)]  # fmt: skip
+    assert all(g == want for g in got), (got, want)
     assert our_segments() == before
 
 
