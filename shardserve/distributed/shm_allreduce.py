@@ -42,7 +42,25 @@ _COUNTER_STRIDE = 8  # int64s between counters: one cache line each
 _TIMEOUT_S = 300.0
 
 
-def reserve_pages(fd: int, size: int) -> None:
+def map_segment(path: str, create_size: int | None) -> mmap.mmap:
+    """Map the /dev/shm segment `path`: created with `create_size` bytes (all pages reserved
+    now), or, with None, an existing one at its own size. A failed create leaves no file."""
+    create = create_size is not None
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create_size is not None:
+            os.ftruncate(fd, create_size)
+            _reserve_pages(fd, create_size)
+        return mmap.mmap(fd, create_size or os.fstat(fd).st_size)
+    except BaseException:
+        if create:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _reserve_pages(fd: int, size: int) -> None:
     """Allocate the pages now: tmpfs allocates on first touch, and running out then is a SIGBUS
     mid-step; here it is an OSError, and the caller falls back to gloo."""
     try:
@@ -63,24 +81,12 @@ class ShmAllReduce:
         an attaching rank takes the size the creator chose from the segment."""
         header = world_size * _COUNTER_STRIDE * 8
         path = os.path.join("/dev/shm", name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                slot_bytes = self.slot_bytes_for(world_size, buffer_bytes or self.BUFFER_BYTES)
-                size = header + 2 * world_size * slot_bytes
-                os.ftruncate(fd, size)
-                reserve_pages(fd, size)
-            else:
-                size = os.fstat(fd).st_size
-                slot_bytes = (size - header) // (2 * world_size)
-            self._map = mmap.mmap(fd, size)
-        except BaseException:
-            if create:
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        size = None
+        if create:
+            slot_bytes = self.slot_bytes_for(world_size, buffer_bytes or self.BUFFER_BYTES)
+            size = header + 2 * world_size * slot_bytes
+        self._map = map_segment(path, size)
+        slot_bytes = (len(self._map) - header) // (2 * world_size)
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.path = path
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=header // 8)

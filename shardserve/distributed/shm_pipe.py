@@ -22,7 +22,6 @@ The sender creates the segment; it is unlinked once the receiver has mapped it.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import time
@@ -30,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from shardserve.distributed.shm_allreduce import reserve_pages
+from shardserve.distributed.shm_allreduce import map_segment
 from shardserve.ipc.wakeup import default_spin_s, futex_wait, futex_wake
 
 _STRIDE = 8  # int64s between counters: one cache line each
@@ -47,23 +46,9 @@ class ShmPipe:
         n = self.NUM_SLOTS
         header = (n + 1) * _STRIDE * 8
         path = os.path.join("/dev/shm", name)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                slot_bytes = -(-slot_bytes // 64) * 64
-                size = header + n * slot_bytes
-                os.ftruncate(fd, size)
-                reserve_pages(fd, size)
-            else:
-                size = os.fstat(fd).st_size
-                slot_bytes = (size - header) // n
-            self._map = mmap.mmap(fd, size)
-        except BaseException:
-            if create:
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        size = header + n * (-(-slot_bytes // 64) * 64) if create else None
+        self._map = map_segment(path, size)
+        slot_bytes = (len(self._map) - header) // n
         self.path, self.slot_bytes, self.timeout_s = path, slot_bytes, timeout_s
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=header // 8)
         self._base = self._counters.ctypes.data

@@ -1,5 +1,6 @@
-"""The HF oracle of the pipeline tests (mp and Ray alike): the default model's float32 greedy
-output on the 8 prompts of test_llm_oracle.py, 32 tokens each, must equal HF's token for token."""
+"""The HF oracle's prompts (4 raw, 4 chat; test_llm_oracle.py's too), and the check of the
+pipeline tests (mp and Ray alike): the default model's float32 greedy output on them, 32 tokens
+each, must equal HF generate's token for token."""
 
 from __future__ import annotations
 

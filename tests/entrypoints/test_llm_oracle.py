@@ -7,24 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pp_oracle import oracle_prompt_ids as _oracle_prompt_ids
 
 from shardserve import LLM, SamplingParams
 from shardserve.model import loader
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.llama import LlamaForCausalLM
-
-RAW_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-]
-CHAT_PROMPTS = [
-    "What is 2 + 2?",
-    "Write a haiku about the sea.",
-    "Name three fruits.",
-    "Explain gravity in one sentence.",
-]
 
 
 def _hf_greedy_no_cache(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -70,13 +58,7 @@ def test_default_model_matches_hf_generate(hf_default_model):
     llm = LLM(dtype="float32", max_model_len=512)
     try:
         tok = llm.get_tokenizer()
-        chat_ids = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-            )
-            for p in CHAT_PROMPTS
-        ]
-        prompt_ids = [tok.encode(p) for p in RAW_PROMPTS] + [list(c) for c in chat_ids]
+        prompt_ids = _oracle_prompt_ids(tok)
         params = SamplingParams(max_tokens=32, temperature=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         for ids, out in zip(prompt_ids, outs, strict=True):
@@ -103,16 +85,6 @@ BF16_MEAN_ABS = 0.5
 # logit and takes the lower id, HF has them one ulp apart (21.125 vs 21.0). Ties like that move
 # with any rounding, so the floor leaves room for two early ones (75%).
 BF16_GREEDY_FLOOR = 0.75
-
-
-def _oracle_prompt_ids(tok) -> list[list[int]]:
-    chat = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False
-        )
-        for p in CHAT_PROMPTS
-    ]
-    return [tok.encode(p) for p in RAW_PROMPTS] + [list(c) for c in chat]
 
 
 def _our_last_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16):

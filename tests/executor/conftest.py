@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from async_cases import run_cases, stop_points  # noqa: E402
 
 
 def our_children() -> list[psutil.Process]:
@@ -46,3 +51,24 @@ def no_leftovers():
         time.sleep(0.05)
     assert not new_children(), [p.cmdline() for p in new_children()]
     assert not set(our_segments()) - before_segments
+
+
+@pytest.fixture(scope="module")
+def four_layer_model(tmp_path_factory, tiny_model_builder) -> Path:
+    """The tiny random Llama with 4 layers: enough for PP=3 and TP=2 x PP=2."""
+    return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("pp4"),
+                              num_hidden_layers=4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pp_uni_results(four_layer_model):
+    """uni's (synchronous) results on every async workload of async_cases.py, on the 4-layer
+    model: what every pipeline-parallel engine must reproduce."""
+    from shardserve import LLM
+
+    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, async_scheduling=False)
+    try:
+        tokens, stop_text = stop_points(llm)
+        return tokens, stop_text, run_cases(llm, tokens, stop_text)
+    finally:
+        llm.shutdown()

@@ -18,25 +18,8 @@ from shardserve.engine.request import Request
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
-from async_cases import run_cases, stop_points  # noqa: E402
+from async_cases import run_cases  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
-
-FOUR_LAYERS = dict(num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def four_layer_model(tmp_path_factory, tiny_model_builder):
-    return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("pp4"), **FOUR_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def uni_results(four_layer_model):
-    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, async_scheduling=False)
-    try:
-        tokens, stop_text = stop_points(llm)
-        return tokens, stop_text, run_cases(llm, tokens, stop_text)
-    finally:
-        llm.shutdown()
 
 
 @pytest.mark.slow
@@ -62,8 +45,8 @@ def _handoff_paths(worker) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("async_on", [True, False], ids=["async", "sync"])
-def test_tp2_pp2_equals_uni(four_layer_model, uni_results, async_on):
-    tokens, stop_text, want = uni_results
+def test_tp2_pp2_equals_uni(four_layer_model, pp_uni_results, async_on):
+    tokens, stop_text, want = pp_uni_results
     llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
               tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=async_on,
               distributed_executor_backend="mp")  # fmt: skip
@@ -73,8 +56,8 @@ def test_tp2_pp2_equals_uni(four_layer_model, uni_results, async_on):
         llm.shutdown()
 
 
-def test_uneven_partition_equals_uni(four_layer_model, uni_results):
-    tokens, stop_text, want = uni_results
+def test_uneven_partition_equals_uni(four_layer_model, pp_uni_results):
+    tokens, stop_text, want = pp_uni_results
     llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
               pipeline_parallel_size=3, pp_layer_partition="1,2,1",
               distributed_executor_backend="mp")  # fmt: skip

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
-from async_cases import run_cases, stop_points  # noqa: E402
+from async_cases import run_cases  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
 from ray_helpers import ray_session  # noqa: E402
 
@@ -33,22 +33,6 @@ MODES = {
 def ray_cluster():
     with ray_session(num_cpus=4):
         yield
-
-
-@pytest.fixture(scope="module")
-def four_layer_model(tmp_path_factory, tiny_model_builder):
-    return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("pp4_ray"),
-                              num_hidden_layers=4)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def uni_results(four_layer_model):
-    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, async_scheduling=False)
-    try:
-        tokens, stop_text = stop_points(llm)
-        return tokens, stop_text, run_cases(llm, tokens, stop_text)
-    finally:
-        llm.shutdown()
 
 
 def _handoff_paths(worker) -> tuple[int, int]:
@@ -77,8 +61,8 @@ def test_default_model_matches_hf(ray_cluster, hf_default_model, mode, pp, async
 
 @pytest.mark.parametrize("async_on", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_tp2_pp2_equals_uni(ray_cluster, four_layer_model, uni_results, mode, async_on):
-    tokens, stop_text, want = uni_results
+def test_tp2_pp2_equals_uni(ray_cluster, four_layer_model, pp_uni_results, mode, async_on):
+    tokens, stop_text, want = pp_uni_results
     llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
               tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=async_on,
               worker_start_timeout_s=90, **MODES[mode])  # fmt: skip
