@@ -292,21 +292,27 @@ class ShmRing:
         self._mm.close()
 
 
-def register_unlink(owner: object, path: str) -> weakref.finalize:
-    """Unlink ``path`` when ``owner`` is collected or the interpreter exits.
+def register_unlink(owner: object, path: str, remove_parent: bool = False) -> weakref.finalize:
+    """Unlink ``path`` (and with remove_parent its folder, once empty) when ``owner`` is
+    collected or the interpreter exits.
 
     multiprocessing children leave through os._exit (no atexit), so their exit hook is used too.
     Calling the returned finalizer unlinks at once; detaching it cancels the GC/atexit unlink.
     """
-    mp_util.Finalize(owner, _unlink_quiet, args=(path,), exitpriority=0)
-    return weakref.finalize(owner, _unlink_quiet, path)
+    mp_util.Finalize(owner, _unlink_quiet, args=(path, remove_parent), exitpriority=0)
+    return weakref.finalize(owner, _unlink_quiet, path, remove_parent)
 
 
-def _unlink_quiet(path: str) -> None:
+def _unlink_quiet(path: str, remove_parent: bool = False) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    if remove_parent:
+        try:
+            os.rmdir(os.path.dirname(path))
+        except OSError:  # gone already, or not empty
+            pass
 
 
 def _create_file(path: str, size: int) -> mmap.mmap:

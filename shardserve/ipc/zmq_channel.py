@@ -13,7 +13,6 @@ subscriber at the high-water mark into back-pressure that the writer waits on wi
 from __future__ import annotations
 
 import os
-import secrets
 import tempfile
 import time
 import weakref
@@ -60,11 +59,13 @@ class Publisher:
 
     def _bind(self, transport: str, host: str | None) -> str:
         if transport == "ipc":
-            name = f"shardserve-mq-{os.getpid()}-{secrets.token_hex(6)}.sock"
-            self._path = os.path.join(tempfile.gettempdir(), name)
+            # In a private directory (mkdtemp: mode 0700), so no other user can connect to the
+            # socket or even see it; libzmq leaves the file behind, so the file and the
+            # directory go at close, GC or exit.
+            folder = tempfile.mkdtemp(prefix=f"shardserve-mq-{os.getpid()}-")
+            self._path = os.path.join(folder, "overflow.sock")
+            self._finalizer = register_unlink(self, self._path, remove_parent=True)
             self.sock.bind(f"ipc://{self._path}")
-            # libzmq leaves the socket file behind; remove it at close, GC or exit.
-            self._finalizer = register_unlink(self, self._path)
             return f"ipc://{self._path}"
 
         assert host is not None

@@ -384,3 +384,13 @@ def test_spinning_only_when_cores_outnumber_spinners(monkeypatch: Any) -> None:
     assert wakeup.default_spin_s(1, None) > 0.0
     assert wakeup.default_spin_s(3, 20.0) == pytest.approx(20e-6)  # explicit override wins
     assert shm_ring.NAME_PREFIX.startswith("shardserve")
+
+
+def test_overflow_socket_lives_in_a_private_folder_that_goes_with_the_queue() -> None:
+    mq = MessageQueue(1, 1, name="private-sock")
+    addr = mq.export_handle().local_addr
+    assert addr is not None and addr.startswith("ipc://")
+    folder = os.path.dirname(addr[len("ipc://"):])
+    assert os.stat(folder).st_mode & 0o777 == 0o700  # nobody else may connect or look
+    mq.close()
+    assert not os.path.exists(folder)
