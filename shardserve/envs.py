@@ -113,3 +113,9 @@ def worker_multiproc_method() -> str | None:
             f"SHARDSERVE_WORKER_MULTIPROC_METHOD={raw!r} must be 'fork' or 'spawn' (or unset)"
         )
     return raw or None
+
+
+def api_key() -> str | None:
+    """SHARDSERVE_API_KEY: the server's API key when --api-key is not given (keeps it out of
+    `ps`). Unset: no key; set but empty: refused at start-up."""
+    return os.environ.get("SHARDSERVE_API_KEY")

@@ -6,7 +6,12 @@ Each request gets an asyncio.Queue of cumulative RequestOutputs; `generate` yiel
 
 Failure: a "dead" message from the engine, or its process exiting (sentinel readable), marks the
 client dead; every queue receives the EngineDeadError, so every open request ends at once, and
-new requests are refused with it.
+new requests are refused with it; then `on_dead` (the server's exit) runs.
+
+Admission (`max_queued`): engine requests beyond the engine's batch (`max_num_seqs`) wait in its
+queue; past `max_queued` of them a new request is refused with QueueFullError (503 +
+Retry-After) before it reaches the engine. Drain (`begin_drain`): new requests are refused,
+open ones finish; after the deadline the rest end with an error.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import pickle
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -45,6 +50,13 @@ from shardserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _JOIN_S = 2.5  # engine process: time to stop its workers and exit before we kill it
+_RETRY_AFTER_S = 1
+
+
+class QueueFullError(Exception):
+    """Too many requests waiting for the engine: answered 503 with Retry-After."""
+
+    retry_after_s = _RETRY_AFTER_S
 
 
 class InputProcessor:
@@ -60,8 +72,14 @@ class InputProcessor:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
+                 max_queued: int | None = None) -> None:
+        if max_queued is not None and max_queued < 0:
+            raise ValueError(f"--max-queued-requests={max_queued} must be >= 0")
         self.config = config
+        self.max_queued = max_queued
+        self.on_dead: Callable[[str], None] | None = None  # called once, after clients heard
+        self._num_engine_requests = 0  # children of the open requests
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self.inputs = InputProcessor(config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer, stream=True)
@@ -163,6 +181,25 @@ class AsyncEngineClient:
             self._out.close(linger=0)
             self._ctx.term()
 
+    def begin_drain(self, timeout_s: float) -> None:
+        """From a signal handler: refuse new requests, let open ones finish, and after
+        `timeout_s` end those still open with an error. Thread- and signal-safe."""
+        self._draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            message = (f"the server is shutting down: the request was still running "
+                       f"{timeout_s:g} s after the stop signal (--shutdown-timeout)")
+            self._loop.call_soon_threadsafe(self._loop.call_later, timeout_s, self._fail_all,
+                                            message)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the client runs in (None before start())."""
+        return self._loop
+
     def begin_shutdown(self) -> None:
         """From a signal handler: end every open request now (an error event for streams), so
         uvicorn need not wait out its grace period for them. Thread- and signal-safe."""
@@ -187,6 +224,20 @@ class AsyncEngineClient:
         if self._closing or self._draining:
             raise EngineDeadError("the server is shutting down")
 
+    def admit(self, num_engine_requests: int) -> None:
+        """Refuse now (before any response starts) if dead, draining, or the wait is full."""
+        self.check_alive()
+        if self.max_queued is None:
+            return
+        waiting = self._num_engine_requests - self.config.scheduler_config.max_num_seqs
+        if max(waiting, 0) + num_engine_requests > self.max_queued:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise QueueFullError(
+                f"the engine's queue is full: {max(waiting, 0)} requests waiting, this one "
+                f"adds {num_engine_requests}, the limit is {self.max_queued} "
+                f"(--max-queued-requests); retry after {_RETRY_AFTER_S} s"
+            )
+
     async def generate(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -194,6 +245,7 @@ class AsyncEngineClient:
         aborts the request so its KV blocks are freed."""
         self.check_alive()
         queue = await self._add_request(request_id, prompt, params)
+        self._num_engine_requests += params.n
         finished = False
         try:
             while not finished:
@@ -205,6 +257,7 @@ class AsyncEngineClient:
                 finished = item.finished
                 yield item
         finally:
+            self._num_engine_requests -= params.n
             self._queues.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
@@ -280,10 +333,13 @@ class AsyncEngineClient:
                             f"{self.proc.exitcode})")
 
     def _mark_dead(self, error: str) -> None:
-        if self.dead_error is None and not self._closing:
+        first = self.dead_error is None and not self._closing
+        if first:
             logger.error("%s; /health now reports 503", error)
             self.dead_error = error
         self._fail_all(error)
+        if first and self.on_dead is not None:
+            self.on_dead(error)
 
     def _fail_all(self, error: str) -> None:
         for queue in self._queues.values():

@@ -42,6 +42,8 @@ class ServerMetrics:
                                      "Prompt tokens of requests received.", registry=r)
         self.generation_tokens = Counter("shardserve:generation_tokens",
                                          "Tokens generated.", registry=r)
+        self.rejected = Counter("shardserve:requests_rejected", "Requests refused before "
+                                "reaching the engine.", ["reason"], registry=self.registry)
         self.finished = Counter("shardserve:request_success", "Finished engine requests.",
                                 ["finished_reason"], registry=r)
         self.ttft = Histogram("shardserve:time_to_first_token_seconds",

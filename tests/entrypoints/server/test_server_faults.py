@@ -1,6 +1,8 @@
-"""Faults and shutdown: a SIGKILLed worker (mp) or engine process turns /health to 503 and ends
-in-flight requests with an error; SIGTERM / SIGINT stop everything, with the server's own exit
-status, and leave no process, shared-memory segment or socket directory behind.
+"""Faults and shutdown: a SIGKILLed worker (mp) or engine process ends in-flight requests with
+an error, and then either exits the server with status 1 (the default: a supervisor restarts
+it) or, with --keep-alive-on-engine-death, turns /health to 503; SIGTERM drains (new requests
+503, open ones finish, up to --shutdown-timeout), Ctrl-C stops at once; every way out has the
+server's own exit status and leaves no process, shared-memory segment or socket directory.
 
 "In flight" is made certain, not likely: the tiny model writes 480 tokens in well under a second,
 so the test freezes (SIGSTOP) the process a request needs before sending it; a request that
@@ -16,7 +18,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 from server_helpers import TINY_ARGS, Server
 from sync_helpers import HANG_S, frozen, wait_until
 
@@ -26,6 +27,7 @@ LONG = {"prompt": "The quick brown fox", "max_tokens": 480, "temperature": 0,
 # processes' sentinels; nothing polls). The bound is measured from the kill and leaves room for a
 # loaded 2-core machine; a fallback to execute_timeout_s (300 s) or a hang still fails it.
 DEAD_LIMIT_S = 5.0
+KEEP_ALIVE = "--keep-alive-on-engine-death"
 
 
 class StreamReader(threading.Thread):
@@ -96,7 +98,7 @@ def assert_dead_error(server: Server, reader: StreamReader, killed_at: float) ->
 
 
 def test_mp_worker_sigkill_ends_requests_with_error(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, [*TINY_ARGS, "--tensor-parallel-size", "2"],
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--tensor-parallel-size", "2", KEEP_ALIVE],
                     tmp_path / "server.log")
     try:
         workers = [w for w in server.engine_process().children()
@@ -115,7 +117,8 @@ def test_mp_worker_sigkill_ends_requests_with_error(tiny_llama_dir, tmp_path):
 
 
 def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
+    server = Server(tiny_llama_dir, [*TINY_ARGS, KEEP_ALIVE], tmp_path / "server.log",
+                    api_key=None)
     try:
         engine = server.engine_process()
         serve_one(server)
@@ -131,11 +134,30 @@ def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
     assert not server.leftovers()
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_signal_stops_everything_with_the_servers_exit_status(tiny_llama_dir, tmp_path, sig,
-                                                               status):
-    """The documented exit status (serve_cmd.py: 0 after SIGTERM, 130 after Ctrl-C) proves the
-    server stopped through its own cleanup; -SIGTERM would be death by the default action."""
+def test_server_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, tmp_path):
+    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
+    try:
+        engine = server.engine_process()
+        serve_one(server)
+        with frozen(engine.pid):
+            reader = send_request(server)
+            killed_at = time.monotonic()
+            engine.kill()
+        reader.join(HANG_S)
+        assert reader.error is not None and reader.error["code"] == 503, reader.events[-1:]
+        server.proc.wait(HANG_S)
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < 10.0, elapsed  # the promise: within 10 s
+    finally:
+        server.stop()
+    assert server.proc.returncode == 1, (server.proc.returncode, server.log())
+    assert "exiting (status 1) because the engine process exited unexpectedly" in server.log()
+    assert not server.leftovers()
+
+
+def test_ctrl_c_stops_at_once_with_status_130(tiny_llama_dir, tmp_path):
+    """The documented exit status (serve_cmd.py: 130 after Ctrl-C) proves the server stopped
+    through its own cleanup; the open request ends with an error event, not a cut stream."""
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log")
     stopped = False
     try:
@@ -146,24 +168,72 @@ def test_signal_stops_everything_with_the_servers_exit_status(tiny_llama_dir, tm
         # log check below fails); the log line is polled every 10 ms, 250 times that margin.
         with frozen(engine.pid):
             reader = send_request(server)
-            server.send_signal(sig)
-            wait_until(lambda: f"signal {int(sig)}: shutting down" in server.log(),
+            server.send_signal(signal.SIGINT)
+            wait_until(lambda: "signal 2: stopping now" in server.log(),
                        "the server to take the signal")
-        # The engine continues and finds the server's "shutdown" message.
         stopped = True
         server.wait_stopped()
     finally:
         if not stopped:
             server.stop(signal.SIGKILL)
+    assert_clean_exit(server, 130)
+    reader.join(HANG_S)
+    assert reader.ended_at is not None
+    assert reader.error is not None and "shutting down" in reader.error["message"], \
+        (reader.events[-1:], reader.failure)
+
+
+def assert_clean_exit(server: Server, status: int) -> None:
     assert server.proc.returncode == status, (server.proc.returncode, server.log())
     log = server.log()
     assert "Traceback" not in log, log
     assert "did not exit in time" not in log, log  # the engine stopped on its own, not killed
     assert not server.leftovers()
+
+
+def test_sigterm_drains_open_requests_and_refuses_new_ones(tiny_llama_dir, tmp_path):
+    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log")
+    stopped = False
+    try:
+        engine = server.engine_process()
+        serve_one(server)
+        with frozen(engine.pid):  # the open request cannot finish before the signal
+            reader = send_request(server)
+            server.send_signal(signal.SIGTERM)
+            wait_until(lambda: "signal 15: draining" in server.log(), "the drain to start")
+            body = {k: v for k, v in LONG.items() if k != "stream"} | {"max_tokens": 1}
+            resp = httpx.post(f"{server.url}/v1/completions", json=body,
+                              headers=server.headers, timeout=10)
+            assert resp.status_code == 503 and "shutting down" in resp.text, resp.text
+        stopped = True
+        server.wait_stopped()
+    finally:
+        if not stopped:
+            server.stop(signal.SIGKILL)
+    assert_clean_exit(server, 0)
     reader.join(HANG_S)
-    assert reader.ended_at is not None
-    # The open request was ended by the shutdown (an error event), not cut off silently.
-    assert reader.error is not None and "shutting down" in reader.error["message"], \
+    assert reader.error is None and reader.finished_normally(), reader.events[-1:]
+    assert len(reader.events) > 400  # it ran to its end: 480 tokens
+
+
+def test_drain_ends_what_outlives_the_shutdown_timeout(tiny_llama_dir, tmp_path):
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--shutdown-timeout", "1"],
+                    tmp_path / "server.log")
+    stopped = False
+    try:
+        engine = server.engine_process()
+        serve_one(server)
+        with frozen(engine.pid):  # the request cannot finish within the 1 s allowed
+            reader = send_request(server)
+            server.send_signal(signal.SIGTERM)
+            reader.join(HANG_S)
+        stopped = True
+        server.wait_stopped()
+    finally:
+        if not stopped:
+            server.stop(signal.SIGKILL)
+    assert_clean_exit(server, 0)
+    assert reader.error is not None and "--shutdown-timeout" in reader.error["message"], \
         (reader.events[-1:], reader.failure)
 
 
