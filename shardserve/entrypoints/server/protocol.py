@@ -31,7 +31,8 @@ class ServerError(Exception):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                413: "RequestTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 
 
 def error_body(message: str, err_type: str, param: str | None, code: int) -> dict[str, Any]:
@@ -147,12 +148,21 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # A client's own chat template: refused unless the server trusts them (ServerLimits)
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ServerError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's extra arguments: chat_template_kwargs and chat_template."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+from shardserve.entrypoints.server.limits import ServerLimits
+from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,8 +31,6 @@ from shardserve.entrypoints.server.protocol import (
 from shardserve.errors import EngineDeadError
 from shardserve.outputs import CompletionOutput, RequestOutput
 from shardserve.sampling_params import SamplingParams
-
-Prompt = tuple[str | None, list[int]]
 
 
 @dataclass
@@ -63,11 +63,14 @@ class _Sent:
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str]) -> None:
+    def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str],
+                 limits: ServerLimits | None = None) -> None:
         self.client = client
         self.served_name = served_name
         self.aliases = aliases | {served_name}
         self.max_model_len = client.config.model_config.max_model_len
+        self.limits = limits or ServerLimits()
+        self.prompts = PromptPreparer(client.inputs, client.tokenizer, self.max_model_len)
 
     # ---- building a job ----
     def check_model(self, name: str | None) -> None:
@@ -97,43 +100,41 @@ class OpenAIServing:
             message = str(e)
             raise ServerError(400, message, message.split(" ", 1)[0]) from e
 
-    def completion_job(self, req: CompletionRequest) -> _Job:
+    async def completion_job(self, req: CompletionRequest) -> _Job:
         req.check_supported()
         self.check_model(req.model)
+        self.limits.check_sampling(req)
+        texts = req.prompts()
+        self.limits.check_prompt_count(len(texts), req.n)
         self.client.check_alive()
-        prompts = [self._process(p, "prompt") for p in req.prompts()]
+        prompts = await self.prompts.completion_prompts(texts)
         explicit = "max_tokens" in req.model_fields_set
         params = [self._params(req, ids, req.max_tokens, explicit, 16, req.logprobs)
                   for _, ids in prompts]
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name,
                     prompts, params, req.stream, req.include_usage)
 
-    def chat_job(self, req: ChatCompletionRequest) -> _Job:
+    async def chat_job(self, req: ChatCompletionRequest) -> _Job:
         req.check_supported()
         self.check_model(req.model)
+        self.limits.check_sampling(req)
+        self.limits.check_chat_template(req)
+        self.limits.check_prompt_count(1, req.n)
         self.client.check_alive()
         messages = [m.as_template_dict() for m in req.messages]
-        try:
-            ids = self.client.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                return_dict=False, **(req.chat_template_kwargs or {}))
-        except Exception as e:  # a template may raise on an unexpected conversation
-            raise ServerError(400, f"cannot apply the chat template: {e}", "messages") from e
-        prompt = self._process({"prompt_token_ids": list(ids)}, "messages")
+        prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt,
+                                                req.template_kwargs())
         requested = req.requested_max_tokens
         params = self._params(req, prompt[1], requested, requested is not None, None,
                               req.num_logprobs)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
                     [prompt], [params], req.stream, req.include_usage)
 
-    def _process(self, prompt: Any, param: str) -> Prompt:
-        try:
-            return self.client.inputs.process_prompt(prompt)
-        except ValueError as e:
-            raise ServerError(400, str(e), param) from e
-
     # ---- running a job ----
-    async def respond(self, job: _Job, raw: HTTPRequest):
+    async def respond(self, job_to_build: Awaitable[_Job], raw: HTTPRequest):
+        """Build the job (completion_job's or chat_job's: tokenizing runs off the event loop)
+        and answer it: JSON, or an SSE stream."""
+        job = await job_to_build
         if job.stream:
             return StreamingResponse(self._sse(job), media_type="text/event-stream")
         work = asyncio.ensure_future(self._collect(job))
