@@ -1,6 +1,14 @@
 """Turns the engine core's token ids into RequestOutputs: detokenization, stop strings, n > 1.
 
 Runs in the front end (the caller's process; the API server's in the server), never in workers.
+
+Detokenization is incremental, so a step costs O(new tokens), not O(output): each sequence
+keeps two offsets into its tokens, `prefix` <= `read`. Text for tokens[:read] is final; a step
+decodes tokens[prefix:] and tokens[prefix:read] and appends the difference. Both decodes start
+at the same token, so whatever a tokenizer does at the start of a piece (SentencePiece drops a
+leading space) cancels out, and a window that ends inside a multi-byte character (the decode
+ends in U+FFFD) waits for the next token. Stop strings are searched only in the new text plus
+the longest stop string's length before it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ class _ChildState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prefix_offset: int = 0  # see the module docstring
+    read_offset: int = 0
 
 
 @dataclass
@@ -107,18 +117,32 @@ class OutputProcessor:
             self._add_logprobs(child, out)
         params = child.params
         if self.stream or params.stop or out.finish_reason is not None:
-            child.text = self.tokenizer.decode(
-                child.token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-        if params.stop and out.finish_reason is None:
-            hit = _find_stop(child.text, params.stop, params.include_stop_str_in_output)
+            old_len = len(child.text)
+            self._decode_new(child, final=out.finish_reason is not None)
+            hit = None
+            if params.stop:  # the last token too: a length-finished text may end in a stop
+                longest = max(len(stop) for stop in params.stop)
+                start = max(0, old_len - longest + 1)
+                hit = _find_stop(child.text, params.stop, params.include_stop_str_in_output,
+                                 start)
             if hit is not None:
                 child.text, child.stop_reason = hit
                 child.finish_reason = "stop"
-                return True
+                return out.finish_reason is None  # still running in the engine: abort it
         child.finish_reason = out.finish_reason
         child.stop_reason = out.stop_reason
         return False
+
+    def _decode_new(self, child: _ChildState, final: bool) -> None:
+        """Append the text of the tokens not decoded yet (see the module docstring); `final`
+        flushes a trailing incomplete character as U+FFFD, as a whole decode would."""
+        ids, skip = child.token_ids, child.params.skip_special_tokens
+        settled = self.tokenizer.decode(ids[child.prefix_offset : child.read_offset],
+                                        skip_special_tokens=skip)
+        window = self.tokenizer.decode(ids[child.prefix_offset :], skip_special_tokens=skip)
+        if len(window) > len(settled) and (final or not window.endswith("\ufffd")):
+            child.text += window[len(settled) :]
+            child.prefix_offset, child.read_offset = child.read_offset, len(ids)
 
     def _add_logprobs(self, child: _ChildState, out: EngineCoreOutput) -> None:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
@@ -153,11 +177,14 @@ class OutputProcessor:
         )
 
 
-def _find_stop(text: str, stops: list[str], include: bool) -> tuple[str, str] | None:
-    """The text cut at the earliest stop string, and that string; None when none occurs."""
+def _find_stop(
+    text: str, stops: list[str], include: bool, start: int = 0
+) -> tuple[str, str] | None:
+    """The text cut at the earliest stop string found at or after `start`, and that string;
+    None when none occurs."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        pos = text.find(stop)
+        pos = text.find(stop, start)
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     if best is None:

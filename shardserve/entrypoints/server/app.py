@@ -19,7 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+from shardserve.entrypoints.server.async_engine import AsyncEngineClient, QueueFullError
+from shardserve.entrypoints.server.body_limit import BodySizeLimit
+from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,8 +33,10 @@ from shardserve.errors import EngineDeadError
 
 
 def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
-              api_key: str | None = None) -> FastAPI:
-    serving = OpenAIServing(client, served_name, aliases)
+              api_key: str | None = None, docs: bool = True,
+              limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(client, served_name, aliases, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,12 +47,14 @@ def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
             # Runs when uvicorn stops (SIGTERM / Ctrl-C): stop the engine and its workers.
             await client.shutdown()
 
-    app = FastAPI(title="shardserve", lifespan=lifespan)
+    urls = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="shardserve", lifespan=lifespan, **urls)
     app.state.serving = serving
     _add_error_handlers(app)
     if api_key:
         _add_api_key_check(app, api_key)
     _add_routes(app, serving)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     return app
 
 
@@ -117,6 +123,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def server_error(request: HTTPRequest, exc: ServerError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: HTTPRequest, exc: QueueFullError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503),
+                            status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: HTTPRequest, exc: EngineDeadError) -> JSONResponse:

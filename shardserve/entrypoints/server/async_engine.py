@@ -2,10 +2,11 @@
 
 Tokenization happens in `add_request`, detokenization in the outputs loop (an asyncio task that
 reads the output socket and feeds the OutputProcessor), so both overlap the engine's model steps.
-Each request gets an asyncio.Queue of cumulative RequestOutputs; `generate` yields from it.
+Each request gets an _OutputCollector: outputs are cumulative, so a newer one replaces one the
+client has not taken yet, and a request holds one output however slowly its client reads.
 
 Failure: a "dead" message from the engine, or its process exiting (sentinel readable), marks the
-client dead; every queue receives the EngineDeadError, so every open request ends at once, and
+client dead; every collector receives the EngineDeadError, so every open request ends at once, and
 new requests are refused with it; then `on_dead` (the server's exit) runs.
 
 Admission (`max_queued`): engine requests beyond the engine's batch (`max_num_seqs`) wait in its
@@ -71,6 +72,30 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
 
+class _OutputCollector:
+    """The newest cumulative output of one request not yet taken, or the error that ended it
+    (an error replaces an untaken output and is never replaced)."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._item, BaseException):
+            self._item = item
+            self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item = self._item
+        if isinstance(item, BaseException):
+            raise item
+        self._ready.clear()
+        self._item = None
+        assert item is not None
+        return item
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
                  max_queued: int | None = None) -> None:
@@ -86,7 +111,7 @@ class AsyncEngineClient:
         self.metrics = ServerMetrics()
         self.stats = SchedulerStats()
         self.dead_error: str | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _OutputCollector] = {}
         self._closing = False
         self._draining = False  # a stop signal came: refuse new requests, end open ones
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -250,10 +275,6 @@ class AsyncEngineClient:
         try:
             while not finished:
                 item = await queue.get()
-                while not queue.empty() and not isinstance(item, BaseException):
-                    item = queue.get_nowait()  # coalesce: outputs are cumulative
-                if isinstance(item, BaseException):
-                    raise item
                 finished = item.finished
                 yield item
         finally:
@@ -264,13 +285,13 @@ class AsyncEngineClient:
 
     async def _add_request(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
-    ) -> asyncio.Queue:
+    ) -> _OutputCollector:
         text, ids = prompt
         children = {
             (request_id if params.n == 1 else f"{request_id}#{i}"): _child_params(params, i)
             for i in range(params.n)
         }
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _OutputCollector()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, text, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
@@ -321,7 +342,7 @@ class AsyncEngineClient:
         for out in results:
             queue = self._queues.get(out.request_id)
             if queue is not None:
-                queue.put_nowait(out)
+                queue.put(out)
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
@@ -343,4 +364,4 @@ class AsyncEngineClient:
 
     def _fail_all(self, error: str) -> None:
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(error))
+            queue.put(EngineDeadError(error))

@@ -2,9 +2,12 @@
 
 Start-up order: validate the engine options here (a bad flag is `error: ...`, exit 2), spawn the
 engine-core process and wait for its model to load, then start uvicorn; the app's lifespan
-connects the ZMQ sockets. Shutdown (SIGTERM, Ctrl-C): uvicorn stops taking requests and gives open
-ones a short grace, then the lifespan stops the engine process, which stops its workers.
-Exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT), both after that cleanup.
+connects the ZMQ sockets. Shutdown: on SIGTERM the server drains: new requests get 503, open
+ones run on for up to --shutdown-timeout seconds, then the rest end with an error; uvicorn then
+stops and the lifespan stops the engine process, which stops its workers. A second SIGTERM, or
+Ctrl-C, ends every open request at once. When the engine dies, open requests get the error and
+the server exits with status 1 (a supervisor restarts it) unless --keep-alive-on-engine-death.
+Exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT), 1 after the engine died.
 
 `--port 0` lets the OS choose a free port (no other process can take it between choosing and
 binding); the log line "serving ... on http://HOST:PORT" and `--port-file` tell the port.
@@ -13,18 +16,25 @@ binding); the log line "serving ... on http://HOST:PORT" and `--port-file` tell 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 from shardserve.entrypoints.cli import add_engine_args, engine_kwargs
+from shardserve.entrypoints.server.limits import add_limit_args
 
 logger = logging.getLogger(__name__)
 
-# uvicorn's grace for open connections at shutdown; the engine's stop takes the rest of the 5 s.
-_GRACEFUL_S = 1.0
+# Drain: beyond --shutdown-timeout, when the client has ended every open request with an
+# error, this long for those last events to be written out (and uvicorn's own grace).
+_FLUSH_S = 2.0
+# After the engine dies: time for the error to reach open clients before uvicorn stops, and
+# the longest uvicorn may then take before it is forced.
+_DEATH_EXIT_S, _DEATH_FORCE_S = 0.5, 5.0
 
 
 class _Terminated(Exception):
@@ -48,13 +58,27 @@ class ServeCommand:
         group.add_argument("--port-file", default=None, metavar="PATH", help="Once the server "
                            "accepts requests, write the port it listens on to PATH (for --port 0).")
         group.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' "
-                           "on /v1/* requests.")
+                           "on /v1/* requests (default: $SHARDSERVE_API_KEY, which keeps the key "
+                           "out of `ps`; an empty key is refused).")
+        group.add_argument("--disable-fastapi-docs", action="store_true", help="Serve no "
+                           "/docs, /redoc or /openapi.json.")
+        group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                           help="On SIGTERM: stop taking requests and let open ones finish for "
+                           "up to S seconds, then abort the rest (default: 30). A second "
+                           "SIGTERM, or Ctrl-C, stops at once.")
+        group.add_argument("--keep-alive-on-engine-death", action="store_true", help="Keep "
+                           "serving (503) after the engine dies instead of exiting with "
+                           "status 1 so that a supervisor restarts the server.")
+        group.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                           help="Answer 503 with Retry-After once N engine requests are "
+                           "waiting beyond those the engine runs at once (default: no limit).")
         group.add_argument("--served-model-name", default=None, help="The model name clients "
                            "send (default: the --model value, or the default model's name).")
         group.add_argument("--uvicorn-log-level", default="info",
                            choices=["critical", "error", "warning", "info", "debug"])
         group.add_argument("--access-log", action="store_true",
                            help="Log every HTTP request (off by default).")
+        add_limit_args(parser)
         add_engine_args(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -63,6 +87,7 @@ class ServeCommand:
 
             from shardserve.entrypoints.server.app import build_app
             from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+            from shardserve.entrypoints.server.limits import ServerLimits
         except ImportError as e:
             raise ValueError(f"{e}; install the server extra: pip install 'shardserve[server]'") \
                 from e
@@ -70,6 +95,8 @@ class ServeCommand:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
+        api_key = _api_key(args.api_key)
+        limits = ServerLimits.from_args(args)
         config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         if config.parallel_config.distributed_executor_backend == "external_launcher":
             raise ValueError(
@@ -80,36 +107,58 @@ class ServeCommand:
         served, aliases = served_names(args.model, args.served_model_name,
                                        config.model_config.path)
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        client = None
+        client, status = None, 0
         try:
-            client = AsyncEngineClient(config)
-            app = build_app(client, served, aliases, args.api_key)
+            client = AsyncEngineClient(config, max_queued=args.max_queued_requests)
+            app = build_app(client, served, aliases, api_key,
+                            docs=not args.disable_fastapi_docs, limits=limits)
             uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.uvicorn_log_level,
                                        access_log=args.access_log,
-                                       timeout_graceful_shutdown=_GRACEFUL_S)
-            _server_class()(uv_config, client.begin_shutdown, served, args.port_file).run()
+                                       timeout_graceful_shutdown=_FLUSH_S)
+            server = _server_class()(uv_config, client, args, served)
+            server.run()
+            status = server.exit_status
         except _Terminated:
             logger.info("terminated")
+            status = 0
         finally:
             if client is not None:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
-        return 0
+        return status
+
+
+def _api_key(flag: str | None) -> str | None:
+    """--api-key, else SHARDSERVE_API_KEY; an empty one would silently disable the check."""
+    from shardserve import envs
+
+    key, source = (flag, "--api-key") if flag is not None else (envs.api_key(),
+                                                                "SHARDSERVE_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError(f"{source} is empty; give a non-empty key, or unset it to serve "
+                         f"without authentication")
+    return key
 
 
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, telling the engine client as soon as a stop signal arrives."""
+        """uvicorn's server, draining the engine client on a stop signal and exiting when the
+        engine dies."""
 
-        def __init__(self, config: uvicorn.Config, on_exit: Any, served: str,
-                     port_file: str | None) -> None:
+        def __init__(self, config: uvicorn.Config, client: Any, args: argparse.Namespace,
+                     served: str) -> None:
             super().__init__(config)
-            self._on_exit = on_exit
+            self._client = client
             self._served = served
-            self._port_file = port_file
+            self._port_file = args.port_file
+            self._shutdown_timeout = args.shutdown_timeout
+            self.exit_status = 0
+            self._draining = False
+            if not args.keep_alive_on_engine_death:
+                client.on_dead = self._on_engine_death
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
@@ -123,10 +172,42 @@ def _server_class():
                 _write_atomically(self._port_file, f"{port}\n")
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                logger.info("signal %d: shutting down", sig)
-            super().handle_exit(sig, frame)
-            self._on_exit()
+            self._captured_signals.append(sig)  # uvicorn re-raises it after its shutdown
+            if self.should_exit:  # a third signal: stop waiting for anything
+                self.force_exit = True
+                return
+            if sig == signal.SIGINT or self._draining:  # Ctrl-C, or a second signal
+                logger.info("signal %d: stopping now", sig)
+                # Every open request ends now with an error event, so uvicorn's wait for the
+                # connections to close is short.
+                self.should_exit = True
+                self._client.begin_shutdown()
+                return
+            # Keep listening while draining, so that a new request gets a 503, not a refused
+            # connection; uvicorn is told to stop once nothing is open.
+            logger.info("signal %d: draining (up to %g s for %d open requests)", sig,
+                        self._shutdown_timeout, self._client.num_open_requests)
+            self._draining = True
+            self._client.begin_drain(self._shutdown_timeout)
+            loop = self._client.loop
+            if loop is None:
+                self.should_exit = True
+                return
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._exit_when_drained()))
+
+        async def _exit_when_drained(self) -> None:
+            deadline = time.monotonic() + self._shutdown_timeout + _FLUSH_S
+            while self._client.num_open_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
+
+        def _on_engine_death(self, error: str) -> None:
+            """In the event loop, after every open request got the error: stop serving."""
+            logger.error("exiting (status 1) because %s", error)
+            self.exit_status = 1
+            loop = asyncio.get_running_loop()
+            loop.call_later(_DEATH_EXIT_S, setattr, self, "should_exit", True)
+            loop.call_later(_DEATH_EXIT_S + _DEATH_FORCE_S, setattr, self, "force_exit", True)
 
     return Server
 

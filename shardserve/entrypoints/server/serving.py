@@ -135,6 +135,8 @@ class OpenAIServing:
         """Build the job (completion_job's or chat_job's: tokenizing runs off the event loop)
         and answer it: JSON, or an SSE stream."""
         job = await job_to_build
+        # Before any response starts: a stream's 200 would leave only an error event to send.
+        self.client.admit(len(job.prompts) * job.n)
         if job.stream:
             return StreamingResponse(self._sse(job), media_type="text/event-stream")
         work = asyncio.ensure_future(self._collect(job))

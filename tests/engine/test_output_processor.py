@@ -1,0 +1,71 @@
+"""Incremental detokenization and tail-only stop-string search: token by token, the text equals
+a whole decode of the tokens (multi-byte characters included), a stop string that straddles two
+steps is found where a whole-text search finds it, and no step decodes the whole output."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.engine.output_processor import OutputProcessor
+from shardserve.messages import EngineCoreOutput
+from shardserve.model.loader import default_model_path, load_tokenizer
+from shardserve.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "naïve café — déjà vu; 東京は日本の首都です。 🚀🔥👍🏽 end",
+    "def f(x):\n    return x ** 2  # squares\n\n\ttabs\tand  spaces  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def _stream(tokenizer, ids: list[int], params: SamplingParams) -> list[str]:
+    proc = OutputProcessor(tokenizer, stream=True)
+    proc.add_request("r", None, [1], {"r": params})
+    texts = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        results, _ = proc.process(
+            [EngineCoreOutput("r", [token], finish_reason="length" if last else None)]
+        )
+        texts.append(results[0].outputs[0].text)
+        if results[0].finished:
+            break
+    return texts
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_equals_a_whole_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    texts = _stream(tokenizer, ids, SamplingParams(max_tokens=len(ids)))
+    assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=True)
+    for i, t in enumerate(texts):  # every prefix shown is a prefix of the final text
+        assert texts[-1].startswith(t), (i, t)
+        assert "\ufffd" not in t  # a split multi-byte character waits for its next token
+
+
+def test_a_stop_string_across_steps_is_found_where_a_whole_search_finds_it(tokenizer):
+    text = TEXTS[1]
+    ids = tokenizer.encode(text)
+    for stop in ("東京", "vu; 東", "🔥👍", "end"):
+        texts = _stream(tokenizer, ids, SamplingParams(max_tokens=len(ids), stop=[stop]))
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert texts[-1] == full[: full.index(stop)], stop
+
+
+def test_a_step_decodes_only_a_window(tokenizer):
+    """The cost of a step does not grow with the output: every decode call sees a few tokens."""
+    seen: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            seen.append(len(ids))
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tokenizer.encode(TEXTS[0] * 20)
+    _stream(Counting(), ids, SamplingParams(max_tokens=len(ids)))
+    assert len(ids) > 200 and max(seen) <= 8, max(seen)
