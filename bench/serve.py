@@ -16,6 +16,12 @@ untimed run of the same prompts with 4 new tokens) before the rounds. Then, --ro
 round; server / offline is taken within each round, and the table shows the median of the
 per-round ratios and their range. Tokens/s and requests/s are medians over the rounds; TTFT and
 inter-token latency (gaps between streamed chunks) percentiles pool every round's requests.
+
+Then the guidellm part (bench/_guidellm.py; skipped with one line when guidellm is not found):
+guidellm, a real load generator (`pip install 'shardserve[bench]'`, or any guidellm==0.8.1 via
+--guidellm PATH), drives a fresh server at --guidellm-streams concurrent streams, beside offline
+LLM.generate at the same width; TTFT / inter-token latency percentiles, output tokens/s and the
+CPU guidellm itself used. --no-guidellm / --no-light-client run only one part.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import _guidellm
 import httpx
 from _rounds import Rounds, make_prompts, median_or_nan, rotated, spread
 
@@ -282,9 +289,18 @@ def main() -> None:
                         help="interleaved rounds; ratios are the median of per-round ratios")
     parser.add_argument("--time-limit-s", type=float, default=150.0,
                         help="a server round is cancelled after this long")
+    _guidellm.add_arguments(parser)
     args = parser.parse_args()
-    samples, served = run_rounds(args, make_prompts(args.num_requests))
-    report(args, samples, served)
+    if not args.no_light_client:
+        samples, served = run_rounds(args, make_prompts(args.num_requests))
+        report(args, samples, served)
+    if not args.no_guidellm:
+        _guidellm.run_part(args, start_server, stop_server, Offline, warm_server)
+
+
+def warm_server(url: str, width: int) -> None:
+    """The same warm-up as the rounds': `width` prompts at once, WARMUP_TOKENS new tokens."""
+    asyncio.run(server_round(url, make_prompts(width), width, WARMUP_TOKENS))
 
 
 if __name__ == "__main__":
