@@ -288,8 +288,9 @@ def run_part(args: argparse.Namespace, start_server, stop_server, offline_factor
              warm_server) -> None:
     exe = find_guidellm(args.guidellm)
     if exe is None:
-        print(f"\nguidellm part skipped: guidellm not found; install it with {INSTALL_HINT}",
-              flush=True)
+        what = f"--guidellm {args.guidellm} is not an executable" if args.guidellm else \
+            "guidellm not found"
+        print(f"\nguidellm part skipped: {what}; install it with {INSTALL_HINT}", flush=True)
         return
     levels = [int(s) for s in args.guidellm_streams.split(",") if s.strip()]
     from shardserve.model.loader import load_tokenizer, resolve_model_path
