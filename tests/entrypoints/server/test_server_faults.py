@@ -116,16 +116,22 @@ def test_mp_worker_sigkill_ends_requests_with_error(tiny_llama_dir, tmp_path):
     assert not server.leftovers()
 
 
+def kill_engine_mid_request(server: Server) -> tuple[StreamReader, float]:
+    """SIGKILL the engine process while a request is certainly open: (its reader, kill time)."""
+    engine = server.engine_process()
+    serve_one(server)
+    with frozen(engine.pid):
+        reader = send_request(server)
+        killed_at = time.monotonic()
+        engine.kill()
+    return reader, killed_at
+
+
 def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
     server = Server(tiny_llama_dir, [*TINY_ARGS, KEEP_ALIVE], tmp_path / "server.log",
                     api_key=None)
     try:
-        engine = server.engine_process()
-        serve_one(server)
-        with frozen(engine.pid):
-            reader = send_request(server)
-            killed_at = time.monotonic()
-            engine.kill()
+        reader, killed_at = kill_engine_mid_request(server)
         assert_dead_error(server, reader, killed_at)
         # The cause is named with the collected exit status (-9: SIGKILL), not "None".
         assert "exited unexpectedly (exit code -9)" in server.log(), server.log()[-2000:]
@@ -137,12 +143,7 @@ def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
 def test_server_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, tmp_path):
     server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
     try:
-        engine = server.engine_process()
-        serve_one(server)
-        with frozen(engine.pid):
-            reader = send_request(server)
-            killed_at = time.monotonic()
-            engine.kill()
+        reader, killed_at = kill_engine_mid_request(server)
         reader.join(HANG_S)
         assert reader.error is not None and reader.error["code"] == 503, reader.events[-1:]
         server.proc.wait(HANG_S)
