@@ -9,6 +9,8 @@ Ray backends import this module; shardserve itself imports without Ray.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import time
@@ -68,7 +70,45 @@ def connect_ray(pc: ParallelConfig) -> RayConnection:
 
 def disconnect_ray(conn: RayConnection | None) -> None:
     if conn is not None and conn.initialized_here and ray.is_initialized():
+        raylets = _raylet_pids() if conn.started_local else []
         ray.shutdown()
+        for pid in raylets:
+            _remove_raylet_semaphores(pid)
+
+
+def _raylet_pids() -> list[int]:
+    """The pids of the raylets of the Ray this process started (empty if unknown)."""
+    try:
+        node = ray._private.worker._global_node
+        return [p.process.pid for p in node.all_processes.get("raylet", [])]
+    except Exception:  # a private API: never let it break a shutdown
+        return []
+
+
+def _remove_raylet_semaphores(pid: int) -> None:
+    """Ray's raylet names a compiled graph's channel semaphores sem.obj<pid>-* / sem.hdr<pid>-*
+    in /dev/shm and leaves those of actor-to-actor channels (pipeline stages) behind when it
+    stops. Once the raylet of a Ray we started has exited nobody can use them: remove them."""
+    deadline = time.monotonic() + 2.0  # ray.shutdown() has signalled it; it exits at once
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if _pid_alive(pid):
+        return
+    for path in glob.glob(f"/dev/shm/sem.obj{pid}-*") + glob.glob(f"/dev/shm/sem.hdr{pid}-*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child (a zombie counts as alive)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ---- placement --------------------------------------------------------------------------------

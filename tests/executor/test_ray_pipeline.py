@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from async_cases import run_cases  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
-from ray_helpers import ray_session  # noqa: E402
+from ray_helpers import ray_env, ray_session  # noqa: E402
 
 from shardserve import LLM, EngineDeadError, SamplingParams  # noqa: E402
 from shardserve.engine.request import Request  # noqa: E402
@@ -27,6 +27,27 @@ MODES = {
     "ray-graph": {"distributed_executor_backend": "ray", "ray_use_compiled_graph": True},
     "ray_v2": {"distributed_executor_backend": "ray_v2"},
 }
+
+
+def _ray_semaphores() -> set[str]:
+    return {n for n in __import__("os").listdir("/dev/shm") if n.startswith(("sem.obj", "sem.hdr"))}
+
+
+def test_graph_with_stages_on_a_ray_it_started_leaves_no_semaphores(four_layer_model):
+    """First in the module, before the shared Ray exists: the executor starts its own. Ray's
+    raylet leaves the semaphores of actor-to-actor graph channels in /dev/shm; the executor
+    removes those of a raylet it started, once that raylet has exited."""
+    before = _ray_semaphores()
+    with ray_env():
+        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
+                  pipeline_parallel_size=2, worker_start_timeout_s=90, **MODES["ray-graph"])
+        try:
+            assert llm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+            assert _ray_semaphores() - before  # the graph's channels made some
+        finally:
+            llm.shutdown()
+        assert not ray.is_initialized()
+    assert not _ray_semaphores() - before
 
 
 @pytest.fixture(scope="module")
