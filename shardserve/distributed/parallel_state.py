@@ -118,7 +118,7 @@ def init_distributed(
         if tp_size > 1:
             _TP_GROUP.shm = _attach_shm_allreduce(_TP_GROUP)
         if pp_size > 1:
-            _PP_GROUP.attach_pipes(rank, pp_slot_bytes, pp_timeout_s)
+            _PP_GROUP.attach_pipes(pp_slot_bytes, pp_timeout_s)
     return _TP_GROUP
 
 

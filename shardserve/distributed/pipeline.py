@@ -10,6 +10,7 @@ Sends of stage s and receives of stage s+1 happen in the same (step) order on bo
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -66,23 +67,24 @@ class PipelineGroup:
             dist.recv(t, src=self.prev_rank)
         return out
 
-    def attach_pipes(self, rank: int, slot_bytes: int, timeout_s: float) -> None:
+    def attach_pipes(self, slot_bytes: int, timeout_s: float) -> None:
         """Map a ShmPipe to each neighbour, all ranks together (a collective over the world);
         if any rank fails to, every rank keeps to torch.distributed."""
-        prefix = [ShmPipe.new_prefix() if rank == 0 else None]
-        dist.broadcast_object_list(prefix, src=0)
-        name = f"{prefix[0]}-{{}}-{{}}"
         created: ShmPipe | None = None
         try:
             if self.next_rank is not None:
-                created = ShmPipe(name.format(rank, self.next_rank), True, slot_bytes, timeout_s)
+                created = ShmPipe(ShmPipe.new_name(), True, slot_bytes, timeout_s)
         except OSError as e:
             logger.warning("pipeline hand-off: no shared-memory pipe (%s); using gloo", e)
-        dist.barrier()  # every pipe exists (or never will) before anyone maps one
+        # Every rank learns its neighbour's pipe name; the gather also orders every create
+        # before any map.
+        names: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, os.path.basename(created.path) if created else None)
         try:
             if self.prev_rank is not None:
-                self.recv_pipe = ShmPipe(name.format(self.prev_rank, rank), False,
-                                         timeout_s=timeout_s)
+                name = names[self.prev_rank]
+                if name is not None:
+                    self.recv_pipe = ShmPipe(name, False, timeout_s=timeout_s)
         except OSError as e:
             logger.warning("pipeline hand-off: cannot map the pipe (%s); using gloo", e)
         ok = torch.tensor([0 if (self.next_rank is not None and created is None)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from shardserve.distributed.shm_allreduce import map_segment
+from shardserve.ipc.segments import unlink_segment
 from shardserve.ipc.wakeup import default_spin_s, futex_wait, futex_wake
 
 _STRIDE = 8  # int64s between counters: one cache line each
@@ -58,14 +59,12 @@ class ShmPipe:
         self._spin_s = default_spin_s(2, None)
 
     @staticmethod
-    def new_prefix() -> str:
+    def new_name() -> str:
+        """shardserve-pp-<creator pid>-<random>: the form ipc/segments.py reaps by pid."""
         return f"shardserve-pp-{os.getpid()}-{secrets.token_hex(4)}"
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_segment(os.path.basename(self.path))
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes

@@ -28,6 +28,7 @@ from ray.util.placement_group import (
 
 from shardserve.config import ParallelConfig
 from shardserve.executor.ray_wrapper import RayWorkerWrapper, RemoteFailure, remote_worker_class
+from shardserve.ipc.wakeup import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -90,25 +91,13 @@ def _remove_raylet_semaphores(pid: int) -> None:
     in /dev/shm and leaves those of actor-to-actor channels (pipeline stages) behind when it
     stops. Once the raylet of a Ray we started has exited nobody can use them: remove them."""
     deadline = time.monotonic() + 2.0  # ray.shutdown() has signalled it; it exits at once
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid, 0) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if _pid_alive(pid):
+    if process_alive(pid, 0):
         return
     for path in glob.glob(f"/dev/shm/sem.obj{pid}-*") + glob.glob(f"/dev/shm/sem.hdr{pid}-*"):
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _pid_alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child (a zombie counts as alive)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---- placement --------------------------------------------------------------------------------

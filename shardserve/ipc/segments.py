@@ -1,8 +1,9 @@
 """Removing shared-memory segments whose creator can no longer remove them itself.
 
 Every segment shardserve creates is named ``/dev/shm/shardserve-<kind>-<creator pid>-<random>``
-(the MessageQueue's rings: ``mq``; the CPU all-reduce's: ``ar``). A process killed by SIGKILL
-cannot unlink its own, so whoever reaps it (the executor, after the process is gone) does.
+(the MessageQueue's rings: ``mq``; the CPU all-reduce's: ``ar``; pipeline stages' pipes:
+``pp``). A process killed by SIGKILL cannot unlink its own, so whoever reaps it (the executor,
+after the process is gone) does.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _receiver(name: str, delay_first_s: float, result) -> None:
 
 
 def test_messages_cross_in_order_and_the_sender_runs_ahead():
-    name = f"{ShmPipe.new_prefix()}-test"
+    name = ShmPipe.new_name()
     pipe = ShmPipe(name, create=True, slot_bytes=64 << 10, timeout_s=30)
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
@@ -66,7 +66,7 @@ def test_messages_cross_in_order_and_the_sender_runs_ahead():
 
 
 def test_too_big_is_refused_alike_on_both_sides():
-    name = f"{ShmPipe.new_prefix()}-big"
+    name = ShmPipe.new_name()
     sender = ShmPipe(name, create=True, slot_bytes=1024, timeout_s=1)
     receiver = ShmPipe(name, create=False, timeout_s=1)
     sender.unlink()
@@ -83,7 +83,7 @@ def test_too_big_is_refused_alike_on_both_sides():
 
 
 def test_waiting_for_a_silent_peer_times_out():
-    name = f"{ShmPipe.new_prefix()}-silent"
+    name = ShmPipe.new_name()
     sender = ShmPipe(name, create=True, slot_bytes=1024, timeout_s=0.3)
     receiver = ShmPipe(name, create=False, timeout_s=0.3)
     sender.unlink()
