@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import _guidellm
 import httpx
 from _rounds import Rounds, make_prompts, median_or_nan, rotated, spread
+from _sse_client import Connection, Result
 
 WARMUP_TOKENS = 4
 
@@ -49,20 +50,17 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 @dataclass
-class Result:
-    ttft: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: bool = True
-
-
-@dataclass
 class Sample:
-    """One phase's run in one round."""
+    """One phase's run in one round, with the CPU it used (CPU-seconds / elapsed = cores):
+    offline, the bench process; server, the server's process tree and, apart, the light
+    client (the bench's main thread, which runs nothing else meanwhile)."""
 
     elapsed: float
     tokens: int
     results: list[Result]  # one per request (offline: tokens only)
+    cpu_s: float = 0.0  # offline: the bench process; server: the API server process
+    client_cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0  # server: the engine-core process and its workers
 
 
 # ---- offline ----
@@ -81,11 +79,11 @@ class Offline:
         from shardserve import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         results = [Result(tokens=len(o.outputs[0].token_ids)) for o in outs]
-        return Sample(elapsed, sum(r.tokens for r in results), results)
+        return Sample(elapsed, sum(r.tokens for r in results), results, cpu)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
@@ -100,13 +98,30 @@ class Server:
         self.proc, self.url = start_server(args)
 
     def run(self, prompts: list[str], max_tokens: int) -> Sample:
+        cpu0, client0 = tree_cpu_s(self.proc.pid), time.thread_time()
         results, elapsed = asyncio.run(asyncio.wait_for(
             server_round(self.url, prompts, self.args.num_clients, max_tokens),
             self.args.time_limit_s))
-        return Sample(elapsed, sum(r.tokens for r in results), results)
+        (api1, engine1), client = tree_cpu_s(self.proc.pid), time.thread_time() - client0
+        return Sample(elapsed, sum(r.tokens for r in results), results, api1 - cpu0[0],
+                      client, engine1 - cpu0[1])
 
     def shutdown(self) -> None:
         stop_server(self.proc)
+
+
+def tree_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU-seconds (user + system) used so far by a process, and by its live descendants."""
+    import psutil
+
+    def cpu(p: psutil.Process) -> float:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            return t.user + t.system
+        return 0.0
+
+    root = psutil.Process(pid)
+    return cpu(root), sum(cpu(p) for p in root.children(recursive=True))
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -153,48 +168,27 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Result:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    result = Result()
-    t0 = time.perf_counter()
-    last = None
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            now = time.perf_counter()
-            if event.get("usage"):
-                result.tokens = event["usage"]["completion_tokens"]
-            if not event.get("choices"):
-                continue
-            if last is None:
-                result.ttft = now - t0
-            else:
-                result.gaps.append(now - last)
-            last = now
-    result.ok = resp.status_code == 200 and result.tokens == max_tokens
-    return result
-
-
 async def server_round(url: str, prompts: list[str], clients: int, max_tokens: int
                        ) -> tuple[list[Result], float]:
-    """Every prompt once, through `clients` concurrent streaming clients."""
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+    """Every prompt once, through `clients` concurrent streaming clients (one keep-alive
+    connection each, opened before the clock starts)."""
+    conns = await asyncio.gather(*(Connection.open(url) for _ in range(clients)))
+    try:
         queue: asyncio.Queue[str] = asyncio.Queue()
         for p in prompts:
             queue.put_nowait(p)
         results: list[Result] = []
 
-        async def client() -> None:
+        async def client(conn: Connection) -> None:
             while not queue.empty():
-                results.append(await one_request(http, queue.get_nowait(), max_tokens))
+                results.append(await conn.stream_completion(queue.get_nowait(), max_tokens))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
+        await asyncio.gather(*(client(c) for c in conns))
         return results, time.perf_counter() - t0
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 # ---- rounds ----
@@ -235,6 +229,10 @@ def run_rounds(args: argparse.Namespace, prompts: list[str]) -> tuple[Rounds, li
                 sample = phases[name].run(prompts, args.max_tokens)
                 samples.add(name, sample.tokens / sample.elapsed)
                 samples.add((name, "requests/s"), len(sample.results) / sample.elapsed)
+                samples.add((name, "cores"), sample.cpu_s / sample.elapsed)
+                if name == "server":
+                    samples.add(("client", "cores"), sample.client_cpu_s / sample.elapsed)
+                    samples.add(("engine", "cores"), sample.engine_cpu_s / sample.elapsed)
                 took[name] = sample.elapsed
                 if name == "server":
                     served += sample.results
@@ -270,6 +268,10 @@ def report(args: argparse.Namespace, s: Rounds, served: list[Result]) -> None:
             (f"offline, {n} at a time, tokens/s", s.median("capped"), ""),
             (f"server / offline {n} at a time", median_or_nan(vs_capped), spread(vs_capped)),
             ("server requests/s", s.median(("server", "requests/s")), ""),
+            ("offline CPU (cores)", s.median(("offline", "cores")), ""),
+            ("server CPU: API process (cores)", s.median(("server", "cores")), ""),
+            ("server CPU: engine + workers (cores)", s.median(("engine", "cores")), ""),
+            ("light client CPU (cores)", s.median(("client", "cores")), ""),
             ("TTFT p50 (ms, all rounds)", 1000 * pct(ttft, 50), ""),
             ("TTFT p99 (ms, all rounds)", 1000 * pct(ttft, 99), ""),
             ("ITL p50 (ms, all rounds)", 1000 * pct(gaps, 50), ""),

@@ -2,18 +2,27 @@
 
 Runs in the front end (the caller's process; the API server's in the server), never in workers.
 
-Detokenization is incremental, so a step costs O(new tokens), not O(output): each sequence
-keeps two offsets into its tokens, `prefix` <= `read`. Text for tokens[:read] is final; a step
-decodes tokens[prefix:] and tokens[prefix:read] and appends the difference. Both decodes start
-at the same token, so whatever a tokenizer does at the start of a piece (SentencePiece drops a
-leading space) cancels out, and a window that ends inside a multi-byte character (the decode
-ends in U+FFFD) waits for the next token. Stop strings are searched only in the new text plus
-the longest stop string's length before it.
+Detokenization is incremental, so a step costs O(new tokens), not O(output). With a fast
+(`tokenizers`) tokenizer each sequence feeds its tokens to a `tokenizers` DecodeStream, which
+holds back a multi-byte character until its last byte arrives (one call into Rust a token; the
+transformers wrapper's decode costs 3-4x more a call, which the API server pays for every
+streamed token). Otherwise each sequence keeps two offsets into its tokens, `prefix` <= `read`:
+text for tokens[:read] is final; a step decodes tokens[prefix:] and tokens[prefix:read] and
+appends the difference. Both decodes start at the same token, so whatever a tokenizer does at
+the start of a piece (SentencePiece drops a leading space) cancels out, and a window that ends
+inside a multi-byte character (the decode ends in U+FFFD) waits for the next token. At the end
+of a sequence, tokens the stream still holds are flushed the second way, so the text equals a
+whole decode. Stop strings are searched only in the new text plus the longest stop string's
+length before it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from shardserve.messages import EngineCoreOutput
 from shardserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -34,6 +43,8 @@ class _ChildState:
     stop_reason: int | str | None = None
     prefix_offset: int = 0  # see the module docstring
     read_offset: int = 0
+    stream: DecodeStream | None = None
+    fed: int = 0  # tokens given to `stream` so far
 
 
 @dataclass
@@ -51,6 +62,7 @@ class _RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer, stream: bool = False) -> None:
         self.tokenizer = tokenizer
+        self._fast = _fast_backend(tokenizer)
         # Without streaming, text is only needed for stop strings and at the end of a sequence.
         self.stream = stream
         self._requests: dict[str, _RequestState] = {}
@@ -65,7 +77,10 @@ class OutputProcessor:
     ) -> None:
         states = {}
         for index, (child_id, params) in enumerate(children.items()):
-            states[child_id] = _ChildState(index, params, logprobs=[] if params.logprobs else None)
+            states[child_id] = _ChildState(
+                index, params, logprobs=[] if params.logprobs else None,
+                stream=DecodeStream(skip_special_tokens=params.skip_special_tokens)
+                if self._fast is not None else None)
             self._parent_of[child_id] = request_id
         self._requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, states)
 
@@ -136,6 +151,13 @@ class OutputProcessor:
     def _decode_new(self, child: _ChildState, final: bool) -> None:
         """Append the text of the tokens not decoded yet (see the module docstring); `final`
         flushes a trailing incomplete character as U+FFFD, as a whole decode would."""
+        if child.stream is not None:
+            self._stream_new(child)
+            if not final or child.read_offset == len(child.token_ids):
+                return
+            # Held back at the end (a cut character, or tokens that decode to nothing): the
+            # offsets below take over from a few tokens back.
+            child.prefix_offset = max(0, child.read_offset - 4)
         ids, skip = child.token_ids, child.params.skip_special_tokens
         settled = self.tokenizer.decode(ids[child.prefix_offset : child.read_offset],
                                         skip_special_tokens=skip)
@@ -144,11 +166,28 @@ class OutputProcessor:
             child.text += window[len(settled) :]
             child.prefix_offset, child.read_offset = child.read_offset, len(ids)
 
+    def _stream_new(self, child: _ChildState) -> None:
+        """Feed the tokens the stream has not seen; read_offset ends up just past the last
+        token that released text (every token after it is held back or decodes to nothing)."""
+        assert child.stream is not None
+        ids = child.token_ids
+        for i in range(child.fed, len(ids)):
+            piece = child.stream.step(self._fast, ids[i])
+            if piece:
+                child.text += piece
+                child.read_offset = i + 1
+        child.fed = len(ids)
+
+    def _decode_one(self, token_id: int) -> str:
+        if self._fast is not None:
+            return self._fast.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id])
+
     def _add_logprobs(self, child: _ChildState, out: EngineCoreOutput) -> None:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
             child.logprobs.append(  # type: ignore[union-attr]
                 {
-                    tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                    tid: Logprob(lp, rank, self._decode_one(tid))
                     for tid, (lp, rank) in entry.items()
                 }
             )
@@ -175,6 +214,17 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
         )
+
+
+def _fast_backend(tokenizer: Any) -> Tokenizer | None:
+    """The `tokenizers` Tokenizer behind a fast tokenizer whose decode adds nothing to the
+    backend's (no clean-up of spaces), else None (the offsets path)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
 
 
 def _find_stop(

@@ -69,3 +69,23 @@ def test_a_step_decodes_only_a_window(tokenizer):
     ids = tokenizer.encode(TEXTS[0] * 20)
     _stream(Counting(), ids, SamplingParams(max_tokens=len(ids)))
     assert len(ids) > 200 and max(seen) <= 8, max(seen)
+
+
+def test_the_default_tokenizer_streams_through_a_decode_stream(tokenizer):
+    """The fast path is taken for the default model's tokenizer (no per-step wrapper decode)."""
+    assert OutputProcessor(tokenizer)._fast is tokenizer._tokenizer
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_and_a_cut_character_at_the_end_match_a_whole_decode(tokenizer, skip):
+    eos = tokenizer.eos_token_id
+    emoji = tokenizer.encode("go 🚀🔥")
+    cases = [
+        tokenizer.encode("Hi there") + [eos],  # finished by a special token
+        tokenizer.encode("a") + [eos] + tokenizer.encode(" b c"),  # one in the middle
+        emoji[:-1],  # ends inside a multi-byte character: U+FFFD, as a whole decode gives
+    ]
+    for ids in cases:
+        texts = _stream(tokenizer, ids, SamplingParams(max_tokens=len(ids),
+                                                       skip_special_tokens=skip))
+        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip), ids
