@@ -132,7 +132,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port", "0",
            "--port-file", port_file, "--dtype", opts["dtype"], "--max-model-len",
            str(opts["max_model_len"]), "--max-num-seqs", str(opts["max_num_seqs"]),
-           "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning", "--stream-interval", str(args.stream_interval)]
     if args.model:
         cmd += ["--model", args.model]
     # The server's log goes to a file: an unread pipe could fill up and stall it.
@@ -259,6 +259,7 @@ def report(args: argparse.Namespace, s: Rounds, served: list[Result]) -> None:
     n = args.num_clients
     vs_offline, vs_capped = s.ratios("server", "offline"), s.ratios("server", "capped")
     print(f"\nmodel={args.model or 'default'} dtype={args.dtype} clients={n} "
+          f"stream_interval={args.stream_interval} "
           f"requests={args.num_requests} x {args.rounds} rounds (failed {failed}) "
           f"max_tokens={args.max_tokens}; ratios: median of per-round ratios")
     print(f"| {'metric':<34} | {'value':>10} | {'range':>13} |\n|{'-' * 36}|{'-' * 12}|{'-' * 15}|")
@@ -289,6 +290,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
                         help="interleaved rounds; ratios are the median of per-round ratios")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server's --stream-interval (tokens per streamed event)")
     parser.add_argument("--time-limit-s", type=float, default=150.0,
                         help="a server round is cancelled after this long")
     _guidellm.add_arguments(parser)

@@ -14,6 +14,12 @@ inside a multi-byte character (the decode ends in U+FFFD) waits for the next tok
 of a sequence, tokens the stream still holds are flushed the second way, so the text equals a
 whole decode. Stop strings are searched only in the new text plus the longest stop string's
 length before it.
+
+`stream_interval` (vLLM's `--stream-interval`): while streaming, a request's output is handed
+out when it has its first token, every `stream_interval` tokens after that, and when it ends,
+instead of every step. Fewer outputs mean fewer server-sent events, each carrying several
+tokens: on a machine whose cores the model's kernels already fill, the front end's work per
+event is taken from the model's steps.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: dict[str, _ChildState]
+    tokens_handed_out: int = 0  # the longest child's tokens in the last output handed out
 
     @property
     def finished(self) -> bool:
@@ -60,11 +67,15 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stream: bool = False) -> None:
+    def __init__(self, tokenizer, stream: bool = False, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval} must be >= 1 (1 streams "
+                             f"every token)")
         self.tokenizer = tokenizer
         self._fast = _fast_backend(tokenizer)
         # Without streaming, text is only needed for stop strings and at the end of a sequence.
         self.stream = stream
+        self.stream_interval = stream_interval
         self._requests: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}  # child (engine) request id → parent id
 
@@ -78,7 +89,7 @@ class OutputProcessor:
         states = {}
         for index, (child_id, params) in enumerate(children.items()):
             states[child_id] = _ChildState(
-                index, params, logprobs=[] if params.logprobs else None,
+                index, params, logprobs=[] if params.logprobs is not None else None,
                 stream=DecodeStream(skip_special_tokens=params.skip_special_tokens)
                 if self._fast is not None else None)
             self._parent_of[child_id] = request_id
@@ -105,11 +116,21 @@ class OutputProcessor:
             if self._update_child(child, out):
                 to_abort.append(out.request_id)
             touched[parent_id] = state
-        results = [self._make_output(s) for s in touched.values()]
+        results = [self._make_output(s) for s in touched.values() if self._due(s)]
         for s in touched.values():
             if s.finished:
                 self._forget(s)
         return results, to_abort
+
+    def _due(self, state: _RequestState) -> bool:
+        """Whether a changed request's output is handed out now (see `stream_interval`)."""
+        if self.stream_interval == 1 or state.finished:
+            return True
+        tokens = max(len(c.token_ids) for c in state.children.values())
+        if state.tokens_handed_out and tokens - state.tokens_handed_out < self.stream_interval:
+            return False
+        state.tokens_handed_out = tokens
+        return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._requests.get(request_id)

@@ -89,3 +89,37 @@ def test_special_tokens_and_a_cut_character_at_the_end_match_a_whole_decode(toke
         texts = _stream(tokenizer, ids, SamplingParams(max_tokens=len(ids),
                                                        skip_special_tokens=skip))
         assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+@pytest.mark.parametrize("interval", [1, 3, 8])
+def test_stream_interval_hands_out_the_first_token_then_every_n_and_the_end(tokenizer, interval):
+    ids = tokenizer.encode(TEXTS[0] * 2)
+    proc = OutputProcessor(tokenizer, stream=True, stream_interval=interval)
+    proc.add_request("r", None, [1], {"r": SamplingParams(max_tokens=len(ids))})
+    handed = []  # the number of tokens in each output handed out
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        results, _ = proc.process(
+            [EngineCoreOutput("r", [token], finish_reason="length" if last else None)])
+        handed += [len(r.outputs[0].token_ids) for r in results]
+    expected = [1, *range(1 + interval, len(ids), interval)]
+    if expected[-1] != len(ids):
+        expected.append(len(ids))
+    assert handed == expected
+    assert results[0].outputs[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stream_interval_below_one_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="stream_interval=0 must be >= 1"):
+        OutputProcessor(tokenizer, stream=True, stream_interval=0)
+
+
+def test_logprobs_zero_still_gives_the_sampled_tokens_logprob(tokenizer):
+    """OpenAI's logprobs=0: no alternatives, but the chosen token's logprob (it was dropped)."""
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, [1], {"r": SamplingParams(max_tokens=1, logprobs=0)})
+    results, _ = proc.process([EngineCoreOutput("r", [42], finish_reason="length",
+                                                new_logprobs=[{42: (-0.5, 3)}])])
+    (entry,) = results[0].outputs[0].logprobs
+    assert entry[42].logprob == -0.5 and entry[42].rank == 3
+    assert results[0].outputs[0].cumulative_logprob == -0.5

@@ -98,7 +98,7 @@ class _OutputCollector:
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, stream_interval: int = 1) -> None:
         if max_queued is not None and max_queued < 0:
             raise ValueError(f"--max-queued-requests={max_queued} must be >= 0")
         self.config = config
@@ -107,7 +107,8 @@ class AsyncEngineClient:
         self._num_engine_requests = 0  # children of the open requests
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self.inputs = InputProcessor(config, self.tokenizer)
-        self.processor = OutputProcessor(self.tokenizer, stream=True)
+        self.processor = OutputProcessor(self.tokenizer, stream=True,
+                                         stream_interval=stream_interval)
         self.metrics = ServerMetrics()
         self.stats = SchedulerStats()
         self.dead_error: str | None = None

@@ -72,6 +72,11 @@ class ServeCommand:
         group.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                            help="Answer 503 with Retry-After once N engine requests are "
                            "waiting beyond those the engine runs at once (default: no limit).")
+        group.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
+                           help="Streamed responses send a request's first token at once, "
+                           "then every N tokens in one event, and the rest at its end "
+                           "(default: 1, every token). A larger N costs the front end less "
+                           "work per token, which on a small machine goes to the model.")
         group.add_argument("--served-model-name", default=None, help="The model name clients "
                            "send (default: the --model value, or the default model's name).")
         group.add_argument("--uvicorn-log-level", default="info",
@@ -109,7 +114,8 @@ class ServeCommand:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         client, status = None, 0
         try:
-            client = AsyncEngineClient(config, max_queued=args.max_queued_requests)
+            client = AsyncEngineClient(config, max_queued=args.max_queued_requests,
+                                       stream_interval=args.stream_interval)
             app = build_app(client, served, aliases, api_key,
                             docs=not args.disable_fastapi_docs, limits=limits)
             uv_config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -127,6 +133,16 @@ class ServeCommand:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
         return status
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def _api_key(flag: str | None) -> str | None:

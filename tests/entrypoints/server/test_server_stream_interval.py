@@ -1,0 +1,49 @@
+"""--stream-interval N: a streamed request's first token comes at once, then N tokens an event,
+the rest at the end; the text is the same as without streaming; a bad N is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+from server_helpers import TINY_ARGS, Server
+
+
+def _stream_token_counts(server: Server, body: dict) -> tuple[list[int], str]:
+    """Tokens in each streamed event (from its logprobs), and the text joined."""
+    counts, text = [], ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.headers,
+                      json={**body, "stream": True, "logprobs": 0}, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                counts.append(len(choice["logprobs"]["tokens"]))
+                text += choice["text"]
+    return counts, text
+
+
+def test_events_carry_n_tokens_and_the_text_is_unchanged(tiny_llama_dir, tmp_path):
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--stream-interval", "4"],
+                    tmp_path / "server.log")
+    try:
+        body = {"prompt": "Hello there", "max_tokens": 18, "temperature": 0,
+                "ignore_eos": True}
+        counts, text = _stream_token_counts(server, body)
+        assert counts == [1, 4, 4, 4, 4, 1], counts
+        whole = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
+                           json=body, timeout=60).json()["choices"][0]["text"]
+        assert text == whole
+    finally:
+        server.stop()
+    assert not server.leftovers()
+
+
+def test_a_bad_stream_interval_is_refused_at_start_up():
+    proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--stream-interval",
+                           "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--stream-interval" in proc.stderr and "'0' is not a whole number >= 1" \
+        in proc.stderr, proc.stderr
