@@ -91,11 +91,12 @@ class Offline:
 
 # ---- server ----
 class Server:
-    """`shardserve serve` in a subprocess; `run()` times --num-clients streaming clients."""
+    """`shardserve serve` (or the floor prototype) in a subprocess; `run()` times
+    --num-clients streaming clients."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, floor: bool = False) -> None:
         self.args = args
-        self.proc, self.url = start_server(args)
+        self.proc, self.url = start_server(args, floor)
 
     def run(self, prompts: list[str], max_tokens: int) -> Sample:
         cpu0, client0 = tree_cpu_s(self.proc.pid), time.thread_time()
@@ -124,15 +125,22 @@ def tree_cpu_s(pid: int) -> tuple[float, float]:
     return cpu(root), sum(cpu(p) for p in root.children(recursive=True))
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, floor: bool = False
+                 ) -> tuple[subprocess.Popen, str]:
     """The server process and its URL; it binds a port the OS picks (--port 0) and writes the
-    port to --port-file once it serves, so no other process can take it in between."""
+    port to --port-file once it serves, so no other process can take it in between. `floor`:
+    the floor prototype (bench/_floor_server.py) instead of `shardserve serve`."""
     opts = engine_options(args)
     port_file = tempfile.mktemp(prefix="shardserve-bench-port-")
-    cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--port-file", port_file, "--dtype", opts["dtype"], "--max-model-len",
-           str(opts["max_model_len"]), "--max-num-seqs", str(opts["max_num_seqs"]),
-           "--uvicorn-log-level", "warning", "--stream-interval", str(args.stream_interval)]
+    common = ["--port-file", port_file, "--dtype", opts["dtype"], "--max-model-len",
+              str(opts["max_model_len"]), "--max-num-seqs", str(opts["max_num_seqs"])]
+    if floor:
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_floor_server.py"),
+               *common]
+    else:
+        cmd = [sys.executable, "-m", "shardserve", "serve", "--host", "127.0.0.1", "--port",
+               "0", *common, "--uvicorn-log-level", "warning", "--stream-interval",
+               str(args.stream_interval)]
     if args.model:
         cmd += ["--model", args.model]
     # The server's log goes to a file: an unread pipe could fill up and stall it.
@@ -150,7 +158,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                 with open(port_file) as f:
                     url = f"http://127.0.0.1:{int(f.read())}"
                 os.unlink(port_file)
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if floor or httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except (OSError, ValueError, httpx.HTTPError):
             pass
@@ -203,6 +211,8 @@ def start_phases(args: argparse.Namespace) -> dict[str, Offline | Server]:
         # The server never has more than --num-clients requests in flight; offline at that width
         # isolates the front end's cost from the batch-size effect.
         phases["capped"] = Offline(args, max_num_seqs=args.num_clients)
+        if args.floor_prototype:
+            phases["floor"] = Server(args, floor=True)
     except BaseException:
         stop_phases(phases)
         raise
@@ -219,26 +229,31 @@ def run_rounds(args: argparse.Namespace, prompts: list[str]) -> tuple[Rounds, li
     a rotating order. Only one phase runs at a time; the idle ones sleep. Returns the per-round
     tokens/s and requests/s, and every server request's result (all rounds)."""
     phases = start_phases(args)
+    names = [*PHASES, "floor"] if args.floor_prototype else PHASES
     samples, served = Rounds(), []
     try:
-        for name in PHASES:
+        for name in names:
             phases[name].run(prompts, WARMUP_TOKENS)
         for r in range(args.rounds):
             took = {}
-            for name in rotated(PHASES, r):
+            for name in rotated(names, r):
                 sample = phases[name].run(prompts, args.max_tokens)
                 samples.add(name, sample.tokens / sample.elapsed)
                 samples.add((name, "requests/s"), len(sample.results) / sample.elapsed)
                 samples.add((name, "cores"), sample.cpu_s / sample.elapsed)
-                if name == "server":
-                    samples.add(("client", "cores"), sample.client_cpu_s / sample.elapsed)
-                    samples.add(("engine", "cores"), sample.engine_cpu_s / sample.elapsed)
+                if name in ("server", "floor"):
+                    samples.add((name, "client cores"), sample.client_cpu_s / sample.elapsed)
+                    samples.add((name, "engine cores"), sample.engine_cpu_s / sample.elapsed)
                 took[name] = sample.elapsed
                 if name == "server":
                     served += sample.results
+                if name == "floor" and not all(r.ok for r in sample.results):
+                    raise RuntimeError("the floor prototype failed requests")
             print(f"round {r + 1}/{args.rounds}: offline {took['offline']:.2f} s, "
                   f"{args.num_clients} at a time {took['capped']:.2f} s, "
-                  f"server {took['server']:.2f} s", flush=True)
+                  f"server {took['server']:.2f} s"
+                  + (f", floor prototype {took['floor']:.2f} s" if "floor" in took else ""),
+                  flush=True)
     finally:
         stop_phases(phases)
     return samples, served
@@ -271,12 +286,19 @@ def report(args: argparse.Namespace, s: Rounds, served: list[Result]) -> None:
             ("server requests/s", s.median(("server", "requests/s")), ""),
             ("offline CPU (cores)", s.median(("offline", "cores")), ""),
             ("server CPU: API process (cores)", s.median(("server", "cores")), ""),
-            ("server CPU: engine + workers (cores)", s.median(("engine", "cores")), ""),
-            ("light client CPU (cores)", s.median(("client", "cores")), ""),
+            ("server CPU: engine + workers (cores)", s.median(("server", "engine cores")), ""),
+            ("light client CPU (cores)", s.median(("server", "client cores")), ""),
             ("TTFT p50 (ms, all rounds)", 1000 * pct(ttft, 50), ""),
             ("TTFT p99 (ms, all rounds)", 1000 * pct(ttft, 99), ""),
             ("ITL p50 (ms, all rounds)", 1000 * pct(gaps, 50), ""),
             ("ITL p99 (ms, all rounds)", 1000 * pct(gaps, 99), "")]
+    if args.floor_prototype:
+        vs_floor = s.ratios("floor", "capped")
+        rows += [(f"floor prototype / offline {n} at a time", median_or_nan(vs_floor),
+                  spread(vs_floor)),
+                 ("floor prototype CPU: front end (cores)", s.median(("floor", "cores")), ""),
+                 ("floor prototype: light client (cores)", s.median(("floor", "client cores")),
+                  "")]
     for name, value, rng in rows:
         print(f"| {name:<34} | {value:>10.2f} | {rng:>13} |")
 
@@ -292,6 +314,9 @@ def main() -> None:
                         help="interleaved rounds; ratios are the median of per-round ratios")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the server's --stream-interval (tokens per streamed event)")
+    parser.add_argument("--floor-prototype", action="store_true",
+                        help="also time bench/_floor_server.py (the least a Python front end "
+                        "can do) as a fourth phase")
     parser.add_argument("--time-limit-s", type=float, default=150.0,
                         help="a server round is cancelled after this long")
     _guidellm.add_arguments(parser)
