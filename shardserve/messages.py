@@ -52,14 +52,30 @@ class SchedulerOutput:
     # back later as a NewRequestData).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Constrained requests that sample this step → the index of the output token they sample.
+    structured_positions: dict[str, int] = field(default_factory=dict)
+    # Set by the engine core: the step's grammar bitmask comes later, with sample_tokens (an
+    # earlier step's tokens are still sampling); a backend may start the forward pass now.
+    grammar_pending: bool = False
 
 
 @dataclass
 class GrammarOutput:
-    """Per-request allowed-token masks for constrained decoding (the hook; True = allowed)."""
+    """The allowed tokens of the step's constrained requests, packed 32 to an int32:
+
+        token_bitmask[i, t // 32] >> (t % 32) & 1 == 1  ⇔  req_ids[i] may sample token t
+
+    int32 [len(req_ids), ceil(vocab_size / 32)], little-endian bit order (xgrammar's layout):
+    6 KiB a request for a 49,152-token vocabulary, against 48 KiB as bools."""
 
     req_ids: list[str]
-    allowed_token_mask: np.ndarray  # bool [len(req_ids), vocab_size]
+    token_bitmask: np.ndarray
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """bool [len(req_ids), vocab_size]: the bitmask unpacked."""
+        as_bytes = np.ascontiguousarray(self.token_bitmask, dtype="<i4").view(np.uint8)
+        bits = np.unpackbits(as_bytes, axis=1, bitorder="little")
+        return bits[:, :vocab_size].astype(bool)
 
 
 @dataclass

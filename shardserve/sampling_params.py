@@ -11,6 +11,7 @@ dataclass holding only builtins.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -79,6 +80,77 @@ def _normalise_stop_token_ids(value: object) -> list[int]:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of `json` (a
+    JSON schema, as a dict or its text), `regex`, `choice` (the output is one of the strings),
+    `grammar` (EBNF, GBNF style: `root ::= ...`) or `json_object` (any JSON object).
+
+    `disable_any_whitespace` keeps JSON compact (no free whitespace between tokens). vLLM's
+    `disable_fallback` is accepted (there is one grammar engine, so nothing falls back);
+    `whitespace_pattern`, `structural_tag` and `disable_additional_properties` are refused."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("whitespace_pattern", self.whitespace_pattern),
+                            ("structural_tag", self.structural_tag)):
+            if value is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported; leave it unset")
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties is not "
+                             "supported; set additionalProperties: false in the schema")
+        for name in ("disable_any_whitespace", "disable_fallback"):
+            _bool(f"structured_outputs.{name}", getattr(self, name))
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}")
+        self._check_kind(given[0])
+
+    def _check_kind(self, kind: str) -> None:
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), "
+                             f"got {type(value).__name__}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty str, got "
+                             f"{value!r}")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"str, got {value!r}")
+        if kind == "json_object":
+            _bool("structured_outputs.json_object", value)
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, name) not in (None, False):
+                return name
+        raise AssertionError("validated in __post_init__")
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, (list, tuple)):
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -98,6 +170,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs of each sampled position
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._coerce_types()
@@ -105,6 +178,12 @@ class SamplingParams:
         self._check_lengths()
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     def _coerce_types(self) -> None:
         """Type checks; numeric fields are normalised (temperature=0 becomes 0.0)."""

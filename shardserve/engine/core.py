@@ -9,28 +9,42 @@ scheduling, 1 without; one per stage with pipeline parallelism), completed in su
 With two in flight the workers start step N+1 the moment step N ends, while this process folds
 N's tokens in and plans N+2. The scheduler counts scheduled tokens as computed at once (see
 scheduler.py), so it never schedules a token that is already in flight.
+
+Structured outputs: step N+1's grammar bitmask needs the tokens step N is still sampling. Such a
+step is submitted with `grammar_pending`: execute_model goes out at once (a backend with
+`supports_early_forward` starts the forward pass), its sample_tokens waits in the queue
+(`_InFlight.sampled` is None) until N's tokens are folded in and the bitmask can be built; no
+other step is submitted meanwhile. The bitmask work thus overlaps N+1's forward pass.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.engine.kv_cache import KVCacheManager
 from shardserve.engine.request import Request
 from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.structured_output import StructuredOutputManager
 from shardserve.errors import EngineDeadError
 from shardserve.executor.abstract import Executor
-from shardserve.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.messages import (
+    EngineCoreOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
 # How long a failed engine waits for each remaining in-flight step to resolve (they fail fast
 # once the executor has failed; this only bounds a backend that does not).
 _DRAIN_TIMEOUT_S = 5.0
+# Longest step() waits for a compiling grammar when nothing else can run.
+_GRAMMAR_POLL_S = 0.01
 
 
 @dataclass
@@ -41,10 +55,12 @@ class _InFlight:
     # execute_model's Future: already done where the executor sends the step as one call with
     # sample_tokens (every built-in backend); a backend that runs it on its own may fail here.
     executed: Future
-    sampled: Future  # sample_tokens: the output rank's ModelRunnerOutput
+    # sample_tokens: the output rank's ModelRunnerOutput; None while its bitmask waits.
+    sampled: Future | None
 
     def result(self) -> ModelRunnerOutput:
         self.executed.result()
+        assert self.sampled is not None, "released before it is waited for (see step())"
         return self.sampled.result()
 
 
@@ -67,6 +83,9 @@ class EngineCore:
         self.dead = False
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: deque[_InFlight] = deque()
+        model = config.model_config
+        self.structured = StructuredOutputManager(model.tokenizer_path, model.arch.vocab_size,
+                                                  model.arch.eos_token_ids)
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         cache = self.config.cache_config
@@ -93,6 +112,9 @@ class EngineCore:
         return kv_config
 
     def add_request(self, request: Request) -> None:
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            request.grammar = self.structured.grammar_for(spec)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -107,11 +129,13 @@ class EngineCore:
         could be added, wait for the oldest batch and return its outputs (else [])."""
         if self.dead:
             raise EngineDeadError("the engine failed earlier and cannot run more steps")
-        if len(self.batch_queue) < self.max_concurrent_batches and self._submit_next():
-            if len(self.batch_queue) < self.max_concurrent_batches:
-                return []  # room for one more: plan it before waiting
+        ended = self.scheduler.take_ended_outside()
+        if self._has_room() and self._submit_next():
+            if self._has_room():
+                return ended  # room for one more: plan it before waiting
         if not self.batch_queue:
-            return []
+            self._wait_for_grammars()
+            return ended
         flight = self.batch_queue.popleft()
         try:
             model_output = flight.result()
@@ -119,7 +143,22 @@ class EngineCore:
             # The workers' request state may now disagree with the scheduler's: stop for good.
             self._fail_in_flight(e)
             raise
-        return self.scheduler.update_from_output(flight.scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(flight.scheduler_output, model_output)
+        self._release_deferred()
+        return ended + outputs
+
+    def _has_room(self) -> bool:
+        """Another step may be submitted: the queue has room and no step waits for its
+        bitmask (its sample_tokens must go out before the next execute_model)."""
+        return len(self.batch_queue) < self.max_concurrent_batches and not (
+            self.batch_queue and self.batch_queue[-1].sampled is None)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but requests whose grammar compiles: wait a moment for one instead
+        of spinning."""
+        compiling = self.scheduler.compiling_grammars()
+        if compiling:
+            wait(compiling, timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
 
     def _submit_next(self) -> bool:
         """Schedule a batch and submit both of its calls without waiting; False if empty."""
@@ -130,14 +169,40 @@ class EngineCore:
             so.finished_req_ids or so.preempted_req_ids
         ):
             return False  # everything runnable is in flight already
+        grammar = self._bitmask(so) if so.structured_positions else None
+        so.grammar_pending = bool(so.structured_positions) and grammar is None
         try:
             executed = self.executor.execute_model(so, non_block=True)
-            sampled = self.executor.sample_tokens(None, non_block=True)
+            sampled = None if so.grammar_pending else self.executor.sample_tokens(
+                grammar, non_block=True)
         except BaseException as e:
             self._fail_in_flight(e)
             raise
         self.batch_queue.append(_InFlight(so, executed, sampled))
         return True
+
+    def _bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+        requests = self.scheduler.requests
+        grammars = {rid: getattr(requests.get(rid), "grammar", None)
+                    for rid in so.structured_positions}
+        return self.structured.bitmask(so, grammars)
+
+    def _release_deferred(self) -> None:
+        """Send sample_tokens of the step waiting for its bitmask, once it can be built (every
+        earlier token of its constrained requests folded in)."""
+        if not self.batch_queue or self.batch_queue[-1].sampled is not None:
+            return
+        flight = self.batch_queue[-1]
+        grammar = self._bitmask(flight.scheduler_output)
+        if grammar is None and len(self.batch_queue) > 1:
+            return  # an earlier step still holds one of its tokens
+        if grammar is None:  # cannot happen: every earlier step is folded in
+            raise RuntimeError("state error: a step's bitmask waits for no step in flight")
+        try:
+            flight.sampled = self.executor.sample_tokens(grammar, non_block=True)
+        except BaseException as e:
+            self._fail_in_flight(e)
+            raise
 
     def _fail_in_flight(self, error: BaseException) -> None:
         """Mark the engine and its executor dead and resolve every step still in flight: with
@@ -148,6 +213,8 @@ class EngineCore:
         while self.batch_queue:
             flight = self.batch_queue.popleft()
             for future in (flight.executed, flight.sampled):
+                if future is None:  # its sample_tokens never went out
+                    continue
                 try:
                     future.result(timeout=_DRAIN_TIMEOUT_S)
                 except BaseException:  # expected: the step failed with the engine
@@ -171,4 +238,5 @@ class EngineCore:
         self.executor.wake_up(tags)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

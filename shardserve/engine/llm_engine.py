@@ -15,6 +15,7 @@ from shardserve.config import EngineConfig
 from shardserve.engine.core import EngineCore
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.request import Request
+from shardserve.engine.structured_output import check_grammar
 from shardserve.model.loader import load_tokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -70,6 +71,14 @@ class LLMEngine:
                 f"prompt_token_ids contain {bad[:5]}, outside the vocabulary [0, {self.vocab_size})"
             )
 
+    @staticmethod
+    def check_params(params: SamplingParams) -> None:
+        """Raises ValueError for params the engine cannot run (a grammar that does not parse)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
+
     def add_request(
         self,
         request_id: str,
@@ -77,8 +86,7 @@ class LLMEngine:
         params: SamplingParams,
     ) -> None:
         """Queue a request; `prompt` may already be processed (text, ids) by process_prompt."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
         text, ids = prompt if isinstance(prompt, tuple) else self.process_prompt(prompt)
         children = {
             (request_id if params.n == 1 else f"{request_id}#{i}"): _child_params(params, i)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardserve.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ class Request:
     # Output tokens the workers have been sent (pipeline parallelism: see the scheduler).
     num_output_tokens_sent: int = 0
     stop_reason: int | str | None = None
+    # Structured outputs: the engine core's RequestGrammar (set on arrival there; never sent on).
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

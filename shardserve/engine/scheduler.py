@@ -24,6 +24,7 @@ workers have not been sent yet (`CachedRequestData.new_token_ids`).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from shardserve.config import SchedulerConfig
@@ -36,6 +37,8 @@ from shardserve.messages import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -54,6 +57,9 @@ class Scheduler:
         # Requests the workers still hold state for and must be told to drop.
         self._finished_ids: set[str] = set()
         self.total_preemptions = 0
+        self._structured: dict[str, int] = {}  # this step's SchedulerOutput.structured_positions
+        # Requests ended outside a step (a grammar that failed): reported with the next outputs.
+        self._ended_outside: list[EngineCoreOutput] = []
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -67,7 +73,17 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ended_outside)
+
+    def take_ended_outside(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended without a step (their grammar failed)."""
+        ended, self._ended_outside = self._ended_outside, []
+        return ended
+
+    def compiling_grammars(self) -> list:
+        """The compile futures of waiting requests whose grammar is not ready yet."""
+        return [r.grammar.compiled for r in self.waiting
+                if r.grammar is not None and not r.grammar.ready]
 
     @property
     def num_running(self) -> int:
@@ -84,6 +100,7 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         self._seq_cap = self._micro_batch_cap()
+        self._structured = {}
         budget = self._schedule_running(budget, num_tokens, cached, preempted)
         new_reqs: list[NewRequestData] = []
         if not preempted:  # a full pool admits nobody new this step
@@ -96,6 +113,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_tokens.values()),
             finished_req_ids=finished - preempted,
             preempted_req_ids=preempted,
+            structured_positions=self._structured,
         )
 
     def _schedule_running(
@@ -145,16 +163,20 @@ class Scheduler:
             return 0
         return request.num_tokens + placeholders - request.num_computed_tokens
 
-    @staticmethod
-    def _advance(request: Request, n: int) -> None:
-        """Count n scheduled tokens as computed; a step that reaches the end samples one more."""
+    def _advance(self, request: Request, n: int) -> None:
+        """Count n scheduled tokens as computed; a step that reaches the end samples one more
+        (for a constrained request, noted with the index of the output token it samples)."""
         request.num_computed_tokens += n
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
+            if request.grammar is not None:
+                self._structured[request.request_id] = (
+                    len(request.output_token_ids) + request.num_output_placeholders - 1)
 
     def _schedule_waiting(
         self, budget: int, num_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
+        compiling: list[Request] = []  # passed over this step (their grammar is not ready)
         while (
             self.waiting
             and budget > 0
@@ -162,6 +184,12 @@ class Scheduler:
             and len(num_tokens) < self._seq_cap
         ):
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.grammar is not None and request.grammar.failed:
+                self._end_outside(request, request.grammar.failed)
+                continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once that token is known
             remaining = request.num_tokens - request.num_computed_tokens
@@ -187,6 +215,12 @@ class Scheduler:
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
+
+    def _end_outside(self, request: Request, why: str) -> None:
+        logger.error("request %s: %s; it ends (finish_reason abort)", request.request_id, why)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._ended_outside.append(EngineCoreOutput(request.request_id, [], "abort"))
 
     def _micro_batch_cap(self) -> int:
         """Most requests this step may take: with pipeline stages, an even share of the
@@ -224,6 +258,8 @@ class Scheduler:
             token = int(output.sampled_token_ids[j])
             request.output_token_ids.append(token)
             self._check_stop(request, token)
+            if request.grammar is not None:
+                self._advance_grammar(request, token)
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -234,6 +270,17 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _advance_grammar(self, request: Request, token: int) -> None:
+        """The matcher takes the token. A finished grammar ends the request (as its EOS would,
+        also with ignore_eos); a rejected token (never, with the bitmask applied) ends it too."""
+        if request.grammar.accept(token) and not request.grammar.terminated:
+            return
+        if request.status.is_finished:
+            return
+        if request.grammar.failed:
+            logger.error("request %s: %s", request.request_id, request.grammar.failed)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params

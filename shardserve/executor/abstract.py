@@ -36,6 +36,11 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 class Executor(ABC):
     uses_ray: bool = False
     supports_pp: bool = False
+    # execute_model of a step whose grammar bitmask comes later (`grammar_pending`) is sent at
+    # once, so the forward pass overlaps the bitmask; needs calls that run in order on every
+    # rank (collective_rpc). A backend that sends a step as one unit (a compiled graph) keeps
+    # it until sample_tokens: correct, without the overlap.
+    supports_early_forward: bool = True
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
@@ -146,6 +151,15 @@ class Executor(ABC):
         self._raise_if_dead()
         if self._stashed_step is not None:
             raise RuntimeError("state error: sample_tokens() must follow each execute_model()")
+        if scheduler_output.grammar_pending and self.supports_early_forward:
+            # Nothing stashed: the sample_tokens that follows goes out on its own.
+            return self.collective_rpc(
+                "execute_model",
+                args=(scheduler_output,),
+                timeout=self.parallel_config.execute_timeout_s,
+                non_block=non_block,
+                unique_reply_rank=self.output_rank,
+            )
         self._stashed_step = scheduler_output
         if not non_block:
             return None

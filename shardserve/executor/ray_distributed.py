@@ -72,6 +72,7 @@ class _LazyFuture(Future):
 
 class RayDistributedExecutor(Executor):
     supports_pp = True
+    supports_early_forward = False  # steps go out whole (see Executor.supports_early_forward)
     uses_ray = True
 
     def _init_executor(self) -> None:

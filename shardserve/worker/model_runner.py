@@ -279,11 +279,11 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         if grammar_output is None:
             return None
-        mask = torch.ones(len(states), self.arch.vocab_size, dtype=torch.bool)
+        allowed = torch.from_numpy(grammar_output.allowed(self.arch.vocab_size))
         row_of = {rid: i for i, rid in enumerate(grammar_output.req_ids)}
-        for i, s in enumerate(states):
-            if s.req_id in row_of:
-                mask[i] = torch.from_numpy(grammar_output.allowed_token_mask[row_of[s.req_id]])
+        rows = [i for i, s in enumerate(states) if s.req_id in row_of]
+        mask = torch.ones(len(states), self.arch.vocab_size, dtype=torch.bool)
+        mask[rows] = allowed[[row_of[states[i].req_id] for i in rows]]
         return mask.to(self.device)
 
     def _require_model(self) -> LlamaForCausalLM:

@@ -101,11 +101,11 @@ def test_execute_and_sample_through_the_executor(executor):
     assert future.result(timeout=5) is None
     second = executor.sample_tokens(None, non_block=True).result(timeout=5)
     assert second.req_ids == ["a"]
-    # Constrained decoding hook: only token 7 allowed.
-    mask = np.zeros((1, 400), dtype=bool)
-    mask[0, 7] = True
+    # Constrained decoding hook: only token 7 allowed (bit 7 of the first packed word).
+    bitmask = np.zeros((1, (400 + 31) // 32), dtype=np.int32)
+    bitmask[0, 0] = 1 << 7
     executor.execute_model(_decode_step("a", len(prompt) + 1))
-    forced = executor.sample_tokens(GrammarOutput(["a"], mask))
+    forced = executor.sample_tokens(GrammarOutput(["a"], bitmask))
     assert forced.sampled_token_ids.tolist() == [7]
     # Finishing the request frees the worker's state for it; sleep then succeeds.
     executor.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"a"}))
