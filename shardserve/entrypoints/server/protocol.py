@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class ServerError(Exception):
@@ -70,6 +70,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (its fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -85,11 +88,47 @@ class _SamplingRequest(_Strict):
                  "ignore_eos", "stop_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output")
         kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=self.structured_spec(), **kwargs)
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as StructuredOutputsParams (ValueError naming
+        the field when malformed; both at once is refused)."""
+        fmt = _response_format_spec(self.response_format)
+        if fmt is not None and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs cannot both constrain "
+                             "the output; give one")
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from e
+        return fmt
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _response_format_spec(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object "
+                             "(response_format: {type: json_schema, json_schema: {name, "
+                             "schema}})")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type must be text, json_object or json_schema, got "
+                     f"{kind!r}")
 
 
 class CompletionRequest(_SamplingRequest):

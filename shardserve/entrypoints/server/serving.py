@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from shardserve.engine.structured_output import check_grammar
 from shardserve.entrypoints.server.async_engine import AsyncEngineClient
 from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
@@ -100,6 +101,19 @@ class OpenAIServing:
             message = str(e)
             raise ServerError(400, message, message.split(" ", 1)[0]) from e
 
+    @staticmethod
+    async def _check_grammar(params: SamplingParams) -> None:
+        """A grammar that does not parse is a 400 before anything is queued (parsed on a thread:
+        the first one imports xgrammar, which takes seconds)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(check_grammar, spec)
+        except ValueError as e:
+            raise ServerError(400, str(e), "structured_outputs" if "structured_outputs"
+                              in str(e) else "response_format") from e
+
     async def completion_job(self, req: CompletionRequest) -> _Job:
         req.check_supported()
         self.check_model(req.model)
@@ -111,6 +125,7 @@ class OpenAIServing:
         explicit = "max_tokens" in req.model_fields_set
         params = [self._params(req, ids, req.max_tokens, explicit, 16, req.logprobs)
                   for _, ids in prompts]
+        await self._check_grammar(params[0])
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name,
                     prompts, params, req.stream, req.include_usage)
 
@@ -127,6 +142,7 @@ class OpenAIServing:
         requested = req.requested_max_tokens
         params = self._params(req, prompt[1], requested, requested is not None, None,
                               req.num_logprobs)
+        await self._check_grammar(params)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
                     [prompt], [params], req.stream, req.include_usage)
 
