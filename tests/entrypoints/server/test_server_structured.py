@@ -1,0 +1,71 @@
+"""Structured outputs through the official client: response_format (json_schema, json_object)
+and vLLM's structured_outputs field, streamed and not, equal to offline with the same
+constraint; malformed constraints are a 400 naming the field, and the server serves on."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from test_server_api import model_name
+
+from shardserve import SamplingParams
+from shardserve.sampling_params import StructuredOutputsParams as S
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+
+
+def _offline(llm, prompt: str, spec: S, max_tokens: int, **kw) -> str:
+    params = SamplingParams(max_tokens=max_tokens, structured_outputs=spec, **kw)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_json_schema_response_format_equals_offline(client, tiny_server, tiny_offline):
+    # Seeded sampling: greedy, the random model would pick free whitespace for ever.
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    resp = client.completions.create(model=model_name(tiny_server), prompt="Hi", max_tokens=60,
+                                     seed=3, extra_body={"response_format": fmt})
+    text = resp.choices[0].text
+    assert resp.choices[0].finish_reason == "stop", text
+    value = json.loads(text)
+    assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+    assert text == _offline(tiny_offline, "Hi", S(json=SCHEMA), 60, seed=3)
+
+
+def test_structured_outputs_field_streamed(client, tiny_server, tiny_offline):
+    body = {"structured_outputs": {"regex": r"[ab]{3}-[0-9]{2}"}}
+    stream = client.chat.completions.create(
+        model=model_name(tiny_server), messages=[{"role": "user", "content": "code?"}],
+        max_tokens=20, temperature=0, stream=True, extra_body=body)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert re.fullmatch(r"[ab]{3}-[0-9]{2}", text), text
+    choice = client.completions.create(model=model_name(tiny_server), prompt="pick", max_tokens=8,
+                                       extra_body={"structured_outputs": {"choice": ["x", "y"]}})
+    assert choice.choices[0].text in ("x", "y")
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", ["regex", "parenthesis"]),
+    ({"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs", ["objectx"]),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     ["exactly one"]),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs:", ["regexp"]),
+    ({"response_format": {"type": "xml"}}, "response_format.type", ["xml"]),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema",
+     ["schema"]),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "response_format", ["both"]),
+])
+def test_a_bad_constraint_is_a_400_naming_it(client, tiny_server, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=4,
+                                  extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param, error
+    assert all(w in error["message"] for w in words), error
+    ok = client.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=4)
+    assert ok.choices[0].finish_reason == "length"
