@@ -158,6 +158,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rope_inplace": [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32],
+        "apply_token_bitmask": [ptr, i64, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -285,6 +286,26 @@ def cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Te
     rc = lib.cache_write(kv_cache.data_ptr(), kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(),
                          t, slot_elems, _DTYPES[kv.dtype])
     _check(rc, "cache_write")
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+                         ) -> None:
+    """In place: logits[rows[r], t] = -inf where bit t of bitmask row r is clear (float32
+    [B, V] logits with unit column stride, int64 rows, int32 [R, ceil(V / 32)] bitmask)."""
+    lib = _lib()
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or bitmask.dtype != torch.int32:
+        raise ValueError("apply_token_bitmask_ needs float32 logits with unit column stride and "
+                         "an int32 bitmask")
+    _check_int64(rows=rows)
+    rows, bitmask = rows.contiguous(), bitmask.contiguous()
+    v = logits.shape[-1]
+    if bitmask.shape != (rows.numel(), -(-v // 32)):
+        raise ValueError(f"bitmask shape {tuple(bitmask.shape)} does not fit {rows.numel()} "
+                         f"rows of {v} tokens")
+    rc = lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(),
+                                 bitmask.data_ptr(), rows.numel(), bitmask.shape[1], v,
+                                 torch.get_num_threads())
+    _check(rc, "apply_token_bitmask")
 
 
 def _lib() -> ctypes.CDLL:

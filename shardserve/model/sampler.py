@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from shardserve.model import native_kernels
 from shardserve.sampling_params import SamplingParams
 
 # Top-p compares float32 cumulative sums against top_p; a set whose mass is within this of top_p
@@ -366,3 +368,24 @@ def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
     else:
         ids, values = sampled, sampled_logprob
     return ids, values, ranks
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Structured outputs, in place: every token whose bit is clear in `bitmask` row r (int32
+    words, xgrammar's layout; see messages.GrammarOutput) gets -inf in logits row rows[r]. The
+    C kernel where it applies; else the bitmask is unpacked and torch fills."""
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64)
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    if native_kernels.supports(torch.float32, logits.device) and logits.dtype == torch.float32 \
+            and logits.stride(-1) == 1:
+        native_kernels.apply_token_bitmask_(logits, index, packed)
+        return
+    vocab = logits.shape[-1]
+    disallowed = np.unpackbits(np.ascontiguousarray(~bitmask, dtype="<i4").view(np.uint8),
+                               axis=1, bitorder="little")[:, :vocab].view(bool)
+    index = index.to(logits.device)
+    block = logits[index].masked_fill_(torch.from_numpy(disallowed).to(logits.device),
+                                       float("-inf"))
+    logits[index] = block

@@ -31,7 +31,12 @@ from shardserve.model.attention import (
 )
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
-from shardserve.model.sampler import RequestSamplingState, Sampler, SamplingMetadata
+from shardserve.model.sampler import (
+    RequestSamplingState,
+    Sampler,
+    SamplingMetadata,
+    apply_token_bitmask_,
+)
 
 
 @dataclass
@@ -260,8 +265,9 @@ class ModelRunner:
             device=self.device,
             generator=self.generator,
         )
-        mask = self._allowed_mask(pending.states, grammar_output)
-        out = self.sampler(pending.logits, meta, mask)
+        if grammar_output is not None:
+            self._apply_grammar(pending, grammar_output)
+        out = self.sampler(pending.logits, meta)
         sampled = out.sampled_token_ids.cpu().numpy()
         if not self.tokens_from_scheduler:
             for s, token in zip(pending.states, sampled.tolist(), strict=True):
@@ -274,17 +280,17 @@ class ModelRunner:
             sampled_token_ranks=_to_numpy(out.sampled_token_ranks),
         )
 
-    def _allowed_mask(
-        self, states: list[CachedRequestState], grammar_output: GrammarOutput | None
-    ) -> torch.Tensor | None:
-        if grammar_output is None:
-            return None
-        allowed = torch.from_numpy(grammar_output.allowed(self.arch.vocab_size))
-        row_of = {rid: i for i, rid in enumerate(grammar_output.req_ids)}
-        rows = [i for i, s in enumerate(states) if s.req_id in row_of]
-        mask = torch.ones(len(states), self.arch.vocab_size, dtype=torch.bool)
-        mask[rows] = allowed[[row_of[states[i].req_id] for i in rows]]
-        return mask.to(self.device)
+    @staticmethod
+    def _apply_grammar(pending: _PendingSample, grammar_output: GrammarOutput) -> None:
+        """Mask the constrained rows in place (vLLM does the same before its sampler, so
+        logprobs of a constrained request come from the masked distribution)."""
+        row_of = {s.req_id: i for i, s in enumerate(pending.states)}
+        pairs = [(row_of[rid], r) for r, rid in enumerate(grammar_output.req_ids)
+                 if rid in row_of]
+        if pairs:
+            rows, bitmask_rows = zip(*pairs, strict=True)
+            apply_token_bitmask_(pending.logits, list(rows),
+                                 grammar_output.token_bitmask[list(bitmask_rows)])
 
     def _require_model(self) -> LlamaForCausalLM:
         if self.model is None:

@@ -14,11 +14,13 @@ import logging
 import platform
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardserve.model import native_kernels as nk
+from shardserve.model.sampler import apply_token_bitmask_
 
 pytestmark = pytest.mark.skipif(
     not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
@@ -158,6 +160,39 @@ def test_cache_write_matches_index_copy(kernels, dtype) -> None:
     expected.view(-1, 2, 3, 16).index_copy_(0, slots, kv)
     nk.cache_write(cache, kv, slots)
     assert torch.equal(cache, expected)
+
+
+def _bitmask_case(vocab: int):
+    """A random bitmask (one row all-allowed), logits, the rows it masks, and the expected."""
+    gen = np.random.default_rng(vocab)
+    bitmask = gen.integers(-(2**31), 2**31, size=(3, -(-vocab // 32))).astype(np.int32)
+    bitmask[1, :] = -1
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    rows = [4, 0, 2]
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    expected = logits.clone()
+    for r, row in enumerate(rows):
+        expected[row, torch.from_numpy(allowed[r] == 0)] = float("-inf")
+    return bitmask, logits, rows, expected
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 49152])
+def test_apply_token_bitmask_masks_exactly_the_clear_bits(kernels, vocab) -> None:
+    """Only the listed rows change, and in them exactly the tokens whose bit is clear (a
+    partial last word included)."""
+    bitmask, logits, rows, expected = _bitmask_case(vocab)
+    assert nk.supports(torch.float32, logits.device)
+    apply_token_bitmask_(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
+
+
+def test_apply_token_bitmask_without_the_c_path(monkeypatch) -> None:
+    monkeypatch.setenv("SHARDSERVE_NATIVE_KERNELS", "0")
+    nk.library.cache_clear()
+    bitmask, logits, rows, expected = _bitmask_case(70)
+    assert not nk.supports(torch.float32, logits.device)
+    apply_token_bitmask_(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
 
 
 def test_bad_layouts_are_refused() -> None:

@@ -580,3 +580,29 @@ int cache_write(void *cache, const void *src, int64_t src_row_stride, const int6
                (const char *)src + (size_t)(t * src_row_stride) * esize, bytes);
     return 0;
 }
+
+/*
+ * Structured outputs, in place: logits[rows[r], t] = -inf for every token t < V whose bit is
+ * clear in bitmask row r (int32 words; token t is bit t % 32 of word t / 32, xgrammar's layout).
+ * A word with every bit set (all 32 tokens allowed, as inside free text) is skipped. torch's
+ * masked_fill takes ~3 ms for 32 rows of a 49,152-token vocabulary; this, a fraction of that.
+ */
+int apply_token_bitmask(float *logits, int64_t row_stride, const int64_t *rows,
+                        const int32_t *bitmask, int64_t R, int64_t words, int64_t V,
+                        int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (R * V >= PARALLEL_MIN)
+    for (int64_t r = 0; r < R; r++) {
+        float *row = logits + rows[r] * row_stride;
+        const int32_t *bits = bitmask + r * words;
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t b = (uint32_t)bits[w];
+            if (b == 0xFFFFFFFFu)
+                continue;
+            const int64_t base = w * 32, n = V - base < 32 ? V - base : 32;
+            for (int64_t j = 0; j < n; j++)
+                if (!((b >> j) & 1u))
+                    row[base + j] = -INFINITY;
+        }
+    }
+    return 0;
+}
