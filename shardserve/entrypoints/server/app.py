@@ -25,7 +25,9 @@ from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ServerError,
+    TokenizeRequest,
     error_body,
 )
 from shardserve.entrypoints.server.serving import OpenAIServing
@@ -34,9 +36,9 @@ from shardserve.errors import EngineDeadError
 
 def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
               api_key: str | None = None, docs: bool = True,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_template: str | None = None) -> FastAPI:
     limits = limits or ServerLimits()
-    serving = OpenAIServing(client, served_name, aliases, limits)
+    serving = OpenAIServing(client, served_name, aliases, limits, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,12 +71,31 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
         return await serving.respond(serving.chat_job(body), raw)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": serving.served_name, "object": "model", "created": int(time.time()),
+    def card() -> dict[str, Any]:
+        return {"id": serving.served_name, "object": "model", "created": int(time.time()),
                 "owned_by": "shardserve", "root": str(client.config.model_config.path),
                 "max_model_len": serving.max_model_len}
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await serving.detokenize(body)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
 
     @app.get("/health")
     async def health() -> Response:

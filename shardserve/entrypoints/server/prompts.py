@@ -28,10 +28,12 @@ _CHARS_PER_TOKEN = 16
 
 
 class PromptPreparer:
-    def __init__(self, inputs: Any, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, inputs: Any, tokenizer: Any, max_model_len: int,
+                 chat_template: str | None = None) -> None:
         self.inputs = inputs  # async_engine.InputProcessor: the engine's prompt checks
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.chat_template = chat_template  # --chat-template: instead of the model's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tok")
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -45,6 +47,21 @@ class PromptPreparer:
         return await self._run(
             lambda: self._chat_prompt(messages, add_generation_prompt, template_kwargs))
 
+    # /tokenize and /detokenize: no length check (they report the count and the limit).
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._run(lambda: self._tokenize(text, add_special_tokens, "prompt",
+                                                      bounded=False))
+
+    async def render_chat(self, messages: list[dict[str, Any]],
+                          add_generation_prompt: bool) -> list[int]:
+        def render() -> list[int]:
+            text = self._render(messages, add_generation_prompt, {})
+            return self._tokenize(text, False, "messages", bounded=False)
+        return await self._run(render)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._run(lambda: self.tokenizer.decode(ids))
+
     def _prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             ids = self._tokenize(prompt, add_special_tokens=True, param="prompt")
@@ -53,19 +70,27 @@ class PromptPreparer:
 
     def _chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      template_kwargs: dict[str, Any]) -> Prompt:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs)
-        except Exception as e:  # a template may raise on an unexpected conversation
-            raise ServerError(400, f"cannot apply the chat template: {e}", "messages") from e
+        text = self._render(messages, add_generation_prompt, template_kwargs)
         # As apply_chat_template(tokenize=True) does: the template writes the special tokens.
         ids = self._tokenize(text, add_special_tokens=False, param="messages")
         return self._checked({"prompt_token_ids": ids}, "messages")
 
-    def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                template_kwargs: dict[str, Any]) -> str:
+        kwargs = dict(template_kwargs)
+        if self.chat_template is not None and "chat_template" not in kwargs:
+            kwargs["chat_template"] = self.chat_template
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **kwargs)
+        except Exception as e:  # a template may raise on an unexpected conversation
+            raise ServerError(400, f"cannot apply the chat template: {e}", "messages") from e
+
+    def _tokenize(self, text: str, add_special_tokens: bool, param: str,
+                  bounded: bool = True) -> list[int]:
         bound = self.max_model_len * _CHARS_PER_TOKEN
-        if len(text) > bound:
+        if bounded and len(text) > bound:
             head = self.tokenizer.encode(text[:bound], add_special_tokens=add_special_tokens)
             if len(head) > self.max_model_len:
                 raise ServerError(

@@ -141,8 +141,9 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ServerError(400, "echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise ServerError(400, "echo with logprobs needs the prompt's logprobs, which "
+                              "this server does not return; drop one of them", "echo")
         if self.suffix:
             raise ServerError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -211,3 +212,23 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ServerError(400, "give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -72,6 +72,9 @@ class ServeCommand:
         group.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                            help="Answer 503 with Retry-After once N engine requests are "
                            "waiting beyond those the engine runs at once (default: no limit).")
+        group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                           help="A Jinja chat template for /v1/chat/completions instead of the "
+                           "model's own: a file's path, or the template itself.")
         group.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
                            help="Streamed responses send a request's first token at once, "
                            "then every N tokens in one event, and the rest at its end "
@@ -85,6 +88,8 @@ class ServeCommand:
                            help="Log every HTTP request (off by default).")
         add_limit_args(parser)
         add_engine_args(parser)
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="The model, as `vllm serve MODEL` takes it (same as --model).")
 
     def run(self, args: argparse.Namespace) -> int:
         try:
@@ -101,6 +106,8 @@ class ServeCommand:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         api_key = _api_key(args.api_key)
+        args.model = _model_arg(args.model_tag, args.model)
+        chat_template = _chat_template(args.chat_template)
         limits = ServerLimits.from_args(args)
         config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         if config.parallel_config.distributed_executor_backend == "external_launcher":
@@ -117,7 +124,8 @@ class ServeCommand:
             client = AsyncEngineClient(config, max_queued=args.max_queued_requests,
                                        stream_interval=args.stream_interval)
             app = build_app(client, served, aliases, api_key,
-                            docs=not args.disable_fastapi_docs, limits=limits)
+                            docs=not args.disable_fastapi_docs, limits=limits,
+                            chat_template=chat_template)
             uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.uvicorn_log_level,
                                        access_log=args.access_log,
@@ -133,6 +141,27 @@ class ServeCommand:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
         return status
+
+
+def _model_arg(positional: str | None, flag: str | None) -> str | None:
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice, as {positional!r} and --model {flag!r}; "
+                         f"give one")
+    return positional if positional is not None else flag
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it names no file (a template
+    has Jinja tags; a missing file's path does not, and is refused)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template "
+                     f"either; give a template file's path or the template text")
 
 
 def _positive_int(text: str) -> int:

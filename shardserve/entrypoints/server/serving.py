@@ -26,7 +26,9 @@ from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ServerError,
+    TokenizeRequest,
     error_body,
 )
 from shardserve.errors import EngineDeadError
@@ -46,6 +48,7 @@ class _Job:
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: list[str] | None = None  # completions with echo: each prompt's text
 
     @property
     def n(self) -> int:
@@ -65,13 +68,14 @@ class _Sent:
 
 class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str],
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, chat_template: str | None = None) -> None:
         self.client = client
         self.served_name = served_name
         self.aliases = aliases | {served_name}
         self.max_model_len = client.config.model_config.max_model_len
         self.limits = limits or ServerLimits()
-        self.prompts = PromptPreparer(client.inputs, client.tokenizer, self.max_model_len)
+        self.prompts = PromptPreparer(client.inputs, client.tokenizer, self.max_model_len,
+                                      chat_template)
 
     # ---- building a job ----
     def check_model(self, name: str | None) -> None:
@@ -126,8 +130,12 @@ class OpenAIServing:
         params = [self._params(req, ids, req.max_tokens, explicit, 16, req.logprobs)
                   for _, ids in prompts]
         await self._check_grammar(params[0])
+        echo = None
+        if req.echo:
+            echo = [text if text is not None else await self.prompts.decode(ids)
+                    for text, ids in prompts]
         return _Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name,
-                    prompts, params, req.stream, req.include_usage)
+                    prompts, params, req.stream, req.include_usage, echo=echo)
 
     async def chat_job(self, req: ChatCompletionRequest) -> _Job:
         req.check_supported()
@@ -145,6 +153,30 @@ class OpenAIServing:
         await self._check_grammar(params)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
                     [prompt], [params], req.stream, req.include_usage)
+
+    # ---- tokenizer endpoints ----
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        req.check()
+        self.check_model(req.model)
+        tok = self.client.tokenizer
+        if req.messages is not None:
+            messages = [m.as_template_dict() for m in req.messages]
+            ids = await self.prompts.render_chat(messages, req.add_generation_prompt)
+        else:
+            text = req.prompt or ""
+            ids = await self.prompts.encode(text, req.add_special_tokens)
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        vocab = self.client.inputs.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ServerError(400, f"tokens contain {bad[:5]}, outside the vocabulary "
+                              f"[0, {vocab})", "tokens")
+        return {"prompt": await self.prompts.decode(req.tokens)}
 
     # ---- running a job ----
     async def respond(self, job_to_build: Awaitable[_Job], raw: HTTPRequest):
@@ -180,8 +212,10 @@ class OpenAIServing:
             finals[i] = out
         choices = []
         for i in range(len(job.prompts)):
+            prefix = job.echo[i] if job.echo else ""
             for c in finals[i].outputs:
-                choices.append(self._choice(job, i * job.n + c.index, c, c.text, 0, None))
+                choices.append(self._choice(job, i * job.n + c.index, c, prefix + c.text, 0,
+                                            None))
         return {"id": job.request_id, "object": _OBJECT[job.kind], "created": job.created,
                 "model": job.model, "choices": choices, "usage": _usage(job, finals)}
 
@@ -189,6 +223,10 @@ class OpenAIServing:
         sent: dict[int, _Sent] = {}
         finals: dict[int, RequestOutput] = {}
         hold = max((len(s) for s in job.params[0].stop), default=1) - 1
+        for i, text in enumerate(job.echo or []):  # echo: the prompts come first
+            yield _event(self._chunk(job, [
+                {"index": i * job.n + k, "text": text, "logprobs": None, "finish_reason": None,
+                 "stop_reason": None} for k in range(job.n)]))
         try:
             async for i, out in _merge(self._streams(job)):
                 finals[i] = out

@@ -74,7 +74,7 @@ FIELD_CASES = [
     (C, {"prompt": [[]]}, "prompt"),
     (CHAT, {"messages": []}, "messages"),
     (C, {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    (C, {"prompt": "x", "echo": True}, "echo"),
+    (C, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
