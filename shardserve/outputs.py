@@ -28,9 +28,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.time() seconds; None until they do)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None
+    # Prompt tokens whose KV came from a cache instead of being computed (no prefix caching
+    # yet: always 0).
+    num_cached_tokens: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from shardserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | Sequence[int]
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, stream: bool = False) -> None:
@@ -30,6 +33,7 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.processor = OutputProcessor(self.tokenizer, stream=stream)
         self._ids = itertools.count()
+        self._warned_max_tokens = False
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +92,7 @@ class LLMEngine:
         """Queue a request; `prompt` may already be processed (text, ids) by process_prompt."""
         self.check_params(params)
         text, ids = prompt if isinstance(prompt, tuple) else self.process_prompt(prompt)
+        self._warn_if_cut(len(ids), params.max_tokens)
         children = {
             (request_id if params.n == 1 else f"{request_id}#{i}"): _child_params(params, i)
             for i in range(params.n)
@@ -96,6 +101,18 @@ class LLMEngine:
         eos = self.config.model_config.arch.eos_token_ids
         for child_id, child_params in children.items():
             self.core.add_request(Request(child_id, ids, child_params, eos_token_ids=eos))
+
+    def _warn_if_cut(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Once per engine: max_tokens past max_model_len (the server answers it with a 400;
+        offline, generation stops at max_model_len with finish_reason "length")."""
+        room = self.config.model_config.max_model_len - prompt_len
+        if max_tokens is None or max_tokens <= room or self._warned_max_tokens:
+            return
+        self._warned_max_tokens = True
+        logger.warning(
+            "max_tokens=%d does not fit: a %d-token prompt leaves %d of max_model_len=%d; such "
+            "requests stop there with finish_reason 'length' (warned once)", max_tokens,
+            prompt_len, room, self.config.model_config.max_model_len)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []

@@ -24,6 +24,8 @@ event is taken from the model's steps.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from shardserve.messages import EngineCoreOutput
-from shardserve.outputs import CompletionOutput, Logprob, RequestOutput
+from shardserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shardserve.sampling_params import SamplingParams
 
 
@@ -59,6 +61,8 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: dict[str, _ChildState]
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    num_cached_tokens: int = 0
     tokens_handed_out: int = 0  # the longest child's tokens in the last output handed out
 
     @property
@@ -113,6 +117,7 @@ class OutputProcessor:
                 continue
             state = self._requests[parent_id]
             child = state.children[out.request_id]
+            self._note_times(state, out)
             if self._update_child(child, out):
                 to_abort.append(out.request_id)
             touched[parent_id] = state
@@ -121,6 +126,15 @@ class OutputProcessor:
             if s.finished:
                 self._forget(s)
         return results, to_abort
+
+    @staticmethod
+    def _note_times(state: _RequestState, out: EngineCoreOutput) -> None:
+        now, metrics = time.time(), state.metrics
+        if out.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
 
     def _due(self, state: _RequestState) -> bool:
         """Whether a changed request's output is handed out now (see `stream_interval`)."""
@@ -228,12 +242,17 @@ class OutputProcessor:
             )
             for c in state.children.values()
         ]
+        finished = state.finished
+        if finished and state.metrics.finished_time is None:
+            state.metrics.finished_time = time.time()
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
+            metrics=dataclasses.replace(state.metrics),
+            num_cached_tokens=state.num_cached_tokens,
         )
 
 

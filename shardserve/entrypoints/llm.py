@@ -12,12 +12,13 @@ from tqdm import tqdm
 
 from shardserve.config import EngineConfig
 from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.model.loader import generation_defaults
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -71,33 +72,54 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the chat template (the model's, or `chat_template`) to each conversation, then
+        generate. Message content may be a string or OpenAI-style text parts; `tools` go to the
+        template; `continue_final_message` leaves the last (assistant) message open."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
+                             "the last message is continued, not answered")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
         prompts = []
         for conv in conversations:
             if not conv:
                 raise ValueError("messages is empty; give at least one {'role', 'content'} dict")
-            ids = self.engine.tokenizer.apply_chat_template(
-                conv,
+            text = self.engine.tokenizer.apply_chat_template(
+                [_plain_message(m) for m in conv],
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                **(chat_template_kwargs or {}),
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
             )
-            prompts.append({"prompt_token_ids": list(ids)})
+            # The template writes the special tokens itself.
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (its generation_config.json:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's."""
+        return SamplingParams(**generation_defaults(self.config.model_config.path))
+
     def _params_list(
-        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+        self, sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None,
+        n: int,
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+            return [self.get_default_sampling_params()] * n
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            return [_as_params(sampling_params)] * n
+        params = [_as_params(p) for p in sampling_params]
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give 1 or {n}")
         return params
@@ -134,6 +156,32 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _as_params(params: SamplingParams | dict) -> SamplingParams:
+    """SamplingParams, or a dict of its fields (a ValueError naming an unknown one)."""
+    if not isinstance(params, dict):
+        return params
+    try:
+        return SamplingParams(**params)
+    except TypeError as e:
+        raise ValueError(f"sampling_params: {e}") from e
+
+
+def _plain_message(message: Message) -> dict[str, Any]:
+    """A message whose content is a string: OpenAI-style text parts are joined; other parts
+    (images, audio) are refused, naming them."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"message content part of type {kind!r} is not supported; this "
+                             f"engine takes text parts ({{'type': 'text', 'text': ...}})")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

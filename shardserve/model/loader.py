@@ -113,6 +113,27 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 # ---------------------------------------------------------------- HF folders
 
 
+# generation_config.json keys → SamplingParams fields (what vLLM takes from it).
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """SamplingParams defaults from an HF folder's generation_config.json ({} for a GGUF file
+    or a folder without one)."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: unreadable generation config ({e})") from e
+    return {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items()
+            if config.get(theirs) is not None}
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         with open(path / "config.json", encoding="utf-8") as f:
