@@ -79,6 +79,17 @@ class GrammarOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens start+1 .. start+len (each given the tokens before it): per
+    position the actual token first, then the top-N, as ModelRunnerOutput's logprobs."""
+
+    start: int  # the prompt position whose logits predict the first entry's token
+    token_ids: np.ndarray  # int64 [len, 1 + N]
+    logprobs: np.ndarray  # float32 [len, 1 + N]
+    ranks: np.ndarray  # int64 [len]: the actual token's rank
+
+
+@dataclass
 class ModelRunnerOutput:
     """The tokens sampled this step, for the requests whose prefill is complete."""
 
@@ -88,6 +99,9 @@ class ModelRunnerOutput:
     logprob_token_ids: np.ndarray | None = None
     logprobs: np.ndarray | None = None
     sampled_token_ranks: np.ndarray | None = None
+    # Requests that asked for prompt logprobs and computed prompt tokens this step (a prefill
+    # chunk, maybe without a sample) → PromptLogprobs of the positions the chunk covered.
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -105,6 +119,7 @@ class EngineCoreOutput:
     # One entry per new token: {token_id: (logprob, rank)}, the sampled token plus the top-N.
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

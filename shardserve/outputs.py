@@ -45,6 +45,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # With prompt_logprobs: one entry per prompt token (None for the first, which nothing
+    # predicts): token id → Logprob, the actual token and the top-N.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Prompt tokens whose KV came from a cache instead of being computed (no prefix caching
     # yet: always 0).
     num_cached_tokens: int = 0

@@ -169,6 +169,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until the context length is reached
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs of each sampled position
+    prompt_logprobs: int | None = None  # top-N logprobs of each prompt position (from the 2nd)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -192,7 +193,7 @@ class SamplingParams:
             setattr(self, name, _real(name, getattr(self, name)))
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _int(name, getattr(self, name)))
-        for name in ("max_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, _int(name, value))
@@ -210,9 +211,10 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
         ]
-        if self.logprobs is not None:
-            checks.append(("logprobs", 0 <= self.logprobs <= MAX_LOGPROBS,
-                           f"in [0, {MAX_LOGPROBS}]"))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                checks.append((name, 0 <= getattr(self, name) <= MAX_LOGPROBS,
+                               f"in [0, {MAX_LOGPROBS}]"))
         for name, ok, valid in checks:
             if not ok:
                 raise ValueError(f"{name} must be {valid}, got {getattr(self, name)!r}")

@@ -32,7 +32,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from shardserve.messages import EngineCoreOutput
+from shardserve.messages import EngineCoreOutput, PromptLogprobs
 from shardserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shardserve.sampling_params import SamplingParams
 
@@ -63,6 +63,7 @@ class _RequestState:
     children: dict[str, _ChildState]
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     tokens_handed_out: int = 0  # the longest child's tokens in the last output handed out
 
     @property
@@ -92,12 +93,17 @@ class OutputProcessor:
     ) -> None:
         states = {}
         for index, (child_id, params) in enumerate(children.items()):
+            if index > 0 and params.prompt_logprobs is not None:  # the first child's serve all
+                params = dataclasses.replace(params, prompt_logprobs=None)
             states[child_id] = _ChildState(
                 index, params, logprobs=[] if params.logprobs is not None else None,
                 stream=DecodeStream(skip_special_tokens=params.skip_special_tokens)
                 if self._fast is not None else None)
             self._parent_of[child_id] = request_id
-        self._requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, states)
+        state = _RequestState(request_id, prompt, prompt_token_ids, states)
+        if next(iter(children.values())).prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        self._requests[request_id] = state
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self._requests.get(request_id)
@@ -118,6 +124,8 @@ class OutputProcessor:
             state = self._requests[parent_id]
             child = state.children[out.request_id]
             self._note_times(state, out)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.prompt_logprobs)
             if self._update_child(child, out):
                 to_abort.append(out.request_id)
             touched[parent_id] = state
@@ -126,6 +134,17 @@ class OutputProcessor:
             if s.finished:
                 self._forget(s)
         return results, to_abort
+
+    def _add_prompt_logprobs(self, state: _RequestState, chunk: PromptLogprobs) -> None:
+        """Entry p + 1 from position p; a recomputed chunk (after preemption) fills the same
+        entries again."""
+        assert state.prompt_logprobs is not None
+        for i, (ids, lps) in enumerate(zip(chunk.token_ids.tolist(), chunk.logprobs.tolist(),
+                                           strict=True)):
+            entry = {ids[0]: Logprob(lps[0], int(chunk.ranks[i]), self._decode_one(ids[0]))}
+            for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+            state.prompt_logprobs[chunk.start + 1 + i] = entry
 
     @staticmethod
     def _note_times(state: _RequestState, out: EngineCoreOutput) -> None:
@@ -253,6 +272,8 @@ class OutputProcessor:
             finished=finished,
             metrics=dataclasses.replace(state.metrics),
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=list(state.prompt_logprobs) if finished
+            and state.prompt_logprobs is not None else None,
         )
 
 

@@ -250,6 +250,7 @@ class Scheduler:
         computed from the right context), so preemption never changes what a request outputs.
         """
         outputs = []
+        prompt_logprobs = dict(output.prompt_logprobs or {})
         for j, rid in enumerate(output.req_ids):
             request = self.requests.get(rid)
             if request is None:
@@ -267,8 +268,12 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     new_logprobs=_logprobs_entry(output, j),
+                    prompt_logprobs=prompt_logprobs.pop(rid, None),
                 )
             )
+        # Prefill chunks that sampled nothing still report their prompt logprobs.
+        outputs += [EngineCoreOutput(rid, [], prompt_logprobs=lps)
+                    for rid, lps in prompt_logprobs.items() if rid in self.requests]
         return outputs
 
     def _advance_grammar(self, request: Request, token: int) -> None:

@@ -23,7 +23,12 @@ import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.distributed.parallel_state import get_pp_group
-from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.messages import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+)
 from shardserve.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
@@ -36,6 +41,7 @@ from shardserve.model.sampler import (
     Sampler,
     SamplingMetadata,
     apply_token_bitmask_,
+    gather_logprobs,
 )
 
 
@@ -66,7 +72,8 @@ class _PendingSample:
     """What execute_model leaves for sample_tokens: the rows that need a token."""
 
     states: list[CachedRequestState]
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when no request samples (prompt logprobs only)
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 class ModelRunner:
@@ -189,6 +196,7 @@ class ModelRunner:
             for s, n in zip(states, query_lens, strict=True):
                 s.num_computed_tokens += n
             return
+        prompt_logprobs = self._prompt_logprobs(states, query_lens, hidden)
         # Only requests whose every token is now computed get a new token (not mid-prefill ones).
         rows = [
             i
@@ -197,10 +205,32 @@ class ModelRunner:
         ]
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
+        logits = None
         if rows:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
             logits = self._require_model().compute_logits(hidden[idx])
-            self._pending = _PendingSample([states[i] for i in rows], logits)
+        if rows or prompt_logprobs:
+            self._pending = _PendingSample([states[i] for i in rows], logits, prompt_logprobs)
+
+    def _prompt_logprobs(self, states: list[CachedRequestState], query_lens: list[int],
+                         hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """From this step's hidden states, no second pass: for each request that asked, the
+        logprobs of the prompt tokens its chunk predicts (position p predicts token p + 1)."""
+        out: dict[str, PromptLogprobs] = {}
+        offset = 0
+        for s, n in zip(states, query_lens, strict=True):
+            num_top = s.sampling.params.prompt_logprobs
+            start, prompt = s.num_computed_tokens, s.sampling.prompt_token_ids
+            end = min(start + n, len(prompt) - 1)  # the last prompt position predicts output
+            if num_top is not None and end > start:
+                logits = self._require_model().compute_logits(hidden[offset:offset + end - start])
+                targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.long,
+                                       device=logits.device)
+                ids, values, ranks = gather_logprobs(logits.log_softmax(dim=-1), targets, num_top)
+                out[s.req_id] = PromptLogprobs(start, ids.cpu().numpy(), values.cpu().numpy(),
+                                               ranks.cpu().numpy())
+            offset += n
+        return out
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """This stage's part of the forward pass: final hidden states on the last stage, else
@@ -249,9 +279,14 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         try:
-            return ModelRunnerOutput.empty() if pending is None else self._sample(
-                pending, grammar_output
-            )
+            if pending is None:
+                return ModelRunnerOutput.empty()
+            if pending.logits is None:
+                out = ModelRunnerOutput.empty()
+            else:
+                out = self._sample(pending, grammar_output)
+            out.prompt_logprobs = pending.prompt_logprobs or None
+            return out
         finally:
             self._last_step_end = time.perf_counter()
 

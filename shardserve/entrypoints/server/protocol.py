@@ -73,6 +73,7 @@ class _SamplingRequest(_Strict):
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (its fields)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -80,13 +81,16 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ServerError(400, "stream_options is only allowed when stream is true",
                               "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ServerError(400, "prompt_logprobs is not returned on streams; request it "
+                              "with stream false", "prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field and the valid range (from SamplingParams)."""
         names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty",
                  "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                  "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "include_stop_str_in_output")
+                 "include_stop_str_in_output", "prompt_logprobs")
         kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=self.structured_spec(), **kwargs)

@@ -214,10 +214,15 @@ class OpenAIServing:
         for i in range(len(job.prompts)):
             prefix = job.echo[i] if job.echo else ""
             for c in finals[i].outputs:
-                choices.append(self._choice(job, i * job.n + c.index, c, prefix + c.text, 0,
-                                            None))
-        return {"id": job.request_id, "object": _OBJECT[job.kind], "created": job.created,
+                choice = self._choice(job, i * job.n + c.index, c, prefix + c.text, 0, None)
+                if job.kind == "completion" and finals[i].prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(finals[i])
+                choices.append(choice)
+        body = {"id": job.request_id, "object": _OBJECT[job.kind], "created": job.created,
                 "model": job.model, "choices": choices, "usage": _usage(job, finals)}
+        if job.kind == "chat" and finals[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs(finals[0])
+        return body
 
     async def _sse(self, job: _Job) -> AsyncIterator[str]:
         sent: dict[int, _Sent] = {}
@@ -293,6 +298,15 @@ class OpenAIServing:
 
 _OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 _CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's JSON form: per prompt token, None (the first) or token id → logprob, rank and
+    decoded token."""
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                        "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
+            for entry in out.prompt_logprobs or []]
 
 
 def _event(payload: dict) -> str:

@@ -69,3 +69,28 @@ def test_a_bad_constraint_is_a_400_naming_it(client, tiny_server, extra, param, 
     assert all(w in error["message"] for w in words), error
     ok = client.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=4)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_equal_offline(tiny_server, tiny_offline):
+    """vLLM's prompt_logprobs field: per prompt token None (the first) or id → logprob, as the
+    offline engine computes them; refused on a stream."""
+    import httpx
+
+    body = {"model": model_name(tiny_server), "prompt": "The quick brown fox", "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 2}
+    resp = httpx.post(f"{tiny_server.url}/v1/completions", json=body,
+                      headers=tiny_server.headers, timeout=60).json()
+    got = resp["choices"][0]["prompt_logprobs"]
+    want = tiny_offline.generate(["The quick brown fox"], SamplingParams(
+        temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(want)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert {int(t): v["logprob"] for t, v in g.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in w.items()}, abs=1e-5)
+    chat = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=tiny_server.headers,
+                      timeout=60, json={"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
+    streamed = httpx.post(f"{tiny_server.url}/v1/completions", headers=tiny_server.headers,
+                          timeout=60, json={**body, "stream": True})
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
