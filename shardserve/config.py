@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"
@@ -87,6 +91,13 @@ class ModelConfig:
     """Longest sequence (prompt + output); defaults to the model's max positions."""
     seed: int = 0
     """Seed of the random source for requests without their own seed."""
+    trust_remote_code: bool = False
+    """Let the tokenizer run code from the model folder (transformers' auto_map)."""
+    tokenizer_mode: str = "auto"
+    """auto or hf: the model's fast (tokenizer.json) tokenizer (vLLM's slow, mistral and custom
+    modes are refused)."""
+    enforce_eager: bool = False
+    """vLLM's switch off CUDA graphs: shardserve runs eagerly always, so it changes nothing."""
     device: str = "cpu"
     path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
@@ -110,6 +121,9 @@ class ModelConfig:
             f"(the model's max_position_embeddings)",
         )
         _check(isinstance(self.seed, int), f"seed={self.seed!r} must be an int")
+        _check(self.tokenizer_mode in ("auto", "hf"),
+               f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use auto (or hf): "
+               f"the model's fast tokenizer")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,6 +140,12 @@ class CacheConfig:
     """Fraction of free memory at start-up given to the KV cache (split among a machine's ranks)."""
     num_blocks_override: int | None = None
     """Force this many KV blocks (testing preemption with a tiny cache)."""
+    gpu_memory_utilization: float | None = None
+    """CUDA: the share of the GPU's memory the engine may fill (the KV cache takes what the
+    model leaves of it; overrides kv_cache_memory_fraction there). Ignored on CPU (logged)."""
+    swap_space: float | None = None
+    """vLLM's CPU swap for preempted requests (GiB): shardserve recomputes them instead, so it
+    is accepted and has no effect (logged)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -139,6 +159,10 @@ class CacheConfig:
         _check(
             0.0 < self.kv_cache_memory_fraction <= 0.95,
             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 0.95]",
+        )
+        _check(
+            self.gpu_memory_utilization is None or 0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]",
         )
         _check(
             self.num_blocks_override is None or self.num_blocks_override >= 1,
@@ -320,12 +344,19 @@ class KVCacheConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = False
+    """Do not log the engine's throughput and queue every 10 s (the server logs them)."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         arch = self.model_config.arch
@@ -343,6 +374,7 @@ class EngineConfig:
             f"{arch.num_layers} layers; every stage needs at least one",
         )
         pc.layer_partition(arch.num_layers)  # validates pp_layer_partition
+        _note_inapplicable(self)
         sched = self.scheduler_config
         if not sched.enable_chunked_prefill:
             _check(
@@ -361,6 +393,7 @@ class EngineConfig:
             "cache_config": CacheConfig,
             "parallel_config": ParallelConfig,
             "scheduler_config": SchedulerConfig,
+            "observability_config": ObservabilityConfig,
         }
         for key, value in kwargs.items():
             owner = next((g for g, c in owners.items() if key in _init_fields(c)), None)
@@ -373,6 +406,28 @@ class EngineConfig:
         model_config = ModelConfig(model=model, device=device.device, **model_kwargs)
         built = {name: owners[name](**kw) for name, kw in groups.items()}
         return cls(model_config=model_config, device_config=device, **built)
+
+
+def _note_inapplicable(config: EngineConfig) -> None:
+    """Options a vLLM user passes that do nothing here: accepted, and said once."""
+    cache, device = config.cache_config, config.device_config.device
+    notes = []
+    if cache.gpu_memory_utilization is not None and device != "cuda":
+        notes.append(f"gpu_memory_utilization={cache.gpu_memory_utilization} applies on CUDA "
+                     f"only; on CPU the KV cache takes kv_cache_memory_fraction / "
+                     f"kv_cache_memory_bytes")
+    if cache.swap_space is not None:
+        notes.append(f"swap_space={cache.swap_space} has no effect: preempted requests are "
+                     f"recomputed, never swapped")
+    if config.model_config.enforce_eager:
+        notes.append("enforce_eager=True changes nothing: shardserve always runs eagerly")
+    for note in notes:
+        if note not in _NOTED:
+            _NOTED.add(note)
+            logger.info("%s", note)
+
+
+_NOTED: set[str] = set()
 
 
 def _parse_partition(text: str | list[int] | tuple[int, ...]) -> list[int]:

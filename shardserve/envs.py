@@ -32,6 +32,11 @@ def log_level() -> str:
     return os.environ.get("SHARDSERVE_LOG_LEVEL", "INFO").upper()
 
 
+def log_stats_interval_s() -> float:
+    """SHARDSERVE_LOG_STATS_INTERVAL_S: how often the server logs its throughput line (10)."""
+    return _get_float("SHARDSERVE_LOG_STATS_INTERVAL_S", 10.0)
+
+
 def num_threads() -> int:
     """SHARDSERVE_NUM_THREADS: torch intra-op threads per worker (0 = torch's default)."""
     return int(_get_float("SHARDSERVE_NUM_THREADS", 0))

@@ -85,7 +85,8 @@ class EngineCore:
         self.batch_queue: deque[_InFlight] = deque()
         model = config.model_config
         self.structured = StructuredOutputManager(model.tokenizer_path, model.arch.vocab_size,
-                                                  model.arch.eos_token_ids)
+                                                  model.arch.eos_token_ids,
+                                                  model.trust_remote_code)
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         cache = self.config.cache_config

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, stream: bool = False) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path,
+                                        config.model_config.trust_remote_code)
         self.core = EngineCore(config)
         self.processor = OutputProcessor(self.tokenizer, stream=stream)
         self._ids = itertools.count()

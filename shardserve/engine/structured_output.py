@@ -123,8 +123,10 @@ class RequestGrammar:
 class StructuredOutputManager:
     """Compiles grammars on one background thread (cached by spec) and builds step bitmasks."""
 
-    def __init__(self, tokenizer_path: Path, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer_path: Path, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 trust_remote_code: bool = False):
         self.tokenizer_path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.words = math.ceil(vocab_size / 32)
@@ -147,7 +149,8 @@ class StructuredOutputManager:
             from shardserve.model.loader import load_tokenizer
 
             info = xgr.TokenizerInfo.from_huggingface(
-                load_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size,
+                load_tokenizer(self.tokenizer_path, self.trust_remote_code),
+                vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         kind, value = spec.kind, getattr(spec, spec.kind)

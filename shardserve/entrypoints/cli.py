@@ -26,6 +26,7 @@ from shardserve.config import (
     CacheConfig,
     DeviceConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -45,6 +46,7 @@ ENGINE_CONFIGS: tuple[type, ...] = (
     ParallelConfig,
     SchedulerConfig,
     DeviceConfig,
+    ObservabilityConfig,
 )
 # Fields that are not flags: `model` is --model, ModelConfig.device comes from DeviceConfig.
 _HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {ModelConfig: frozenset({"model", "device"})}

@@ -69,6 +69,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and _looks_like_hub_id(str(model)):
+        return hub_cache_path(str(model))
     if not path.exists():
         raise ModelNotFoundError(f"model path {str(path)!r} does not exist; {_supported()}")
     if path.is_dir():
@@ -78,6 +80,29 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; {_supported()}")
     return path
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """'org/name' (one slash, no leading ./ or ~): how hub ids look, not how paths do."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def hub_cache_path(repo_id: str) -> Path:
+    """The snapshot folder of a hub model already in the local Hugging Face cache. Never
+    downloads (the engine reaches no hub at run time): a model not cached is an error naming
+    the cache folder and how to fill it."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as e:
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); download it there first (`huggingface-cli download "
+            f"{repo_id}`) or pass its folder; {_supported()}"
+        ) from e
 
 
 def read_arch(path: Path) -> ModelArch:
@@ -105,9 +130,9 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_gguf_weights(path)
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
     """The model's tokenizer (local files only)."""
-    return load_tokenizer_from(Path(path))
+    return load_tokenizer_from(Path(path), trust_remote_code)
 
 
 # ---------------------------------------------------------------- HF folders

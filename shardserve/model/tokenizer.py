@@ -123,10 +123,11 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
-def load_tokenizer_from(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer_from(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
     """Tokenizer for a resolved model path (HF folder or .gguf file)."""
     if path.is_dir():
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
         if not isinstance(tok, PreTrainedTokenizerFast):
             raise ValueError(f"{path}: expected a fast (tokenizer.json) tokenizer, got {type(tok)}")
         return tok

@@ -92,7 +92,10 @@ class Worker:
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            if cache.gpu_memory_utilization is not None:  # vLLM's: a share of the whole GPU
+                used = total - free
+                return max(0, int(total * cache.gpu_memory_utilization) - used)
             return int(free * cache.kv_cache_memory_fraction)
         # Ranks on one machine share its memory.
         free = psutil.virtual_memory().available

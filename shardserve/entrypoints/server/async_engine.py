@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.engine.core_proc import (
     EngineAddresses,
@@ -105,7 +106,8 @@ class AsyncEngineClient:
         self.max_queued = max_queued
         self.on_dead: Callable[[str], None] | None = None  # called once, after clients heard
         self._num_engine_requests = 0  # children of the open requests
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path,
+                                        config.model_config.trust_remote_code)
         self.inputs = InputProcessor(config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer, stream=True,
                                          stream_interval=stream_interval)
@@ -120,6 +122,8 @@ class AsyncEngineClient:
         self.addrs = EngineAddresses(f"ipc://{self._tmpdir}/in", f"ipc://{self._tmpdir}/out")
         self._ctx: zmq.asyncio.Context | None = None
         self._outputs_task: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
+        self._tokens_since_log = [0, 0]  # prompt, generated
         self._start_process(start_timeout_s)
 
     # ---- engine process ----
@@ -185,6 +189,8 @@ class AsyncEngineClient:
         loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_process_exit)
         self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
+        if not self.config.observability_config.disable_log_stats:
+            self._stats_task = asyncio.create_task(self._log_stats_loop(), name="log-stats")
 
     async def shutdown(self) -> None:
         """Idempotent: stop the engine process and free everything we created."""
@@ -197,6 +203,8 @@ class AsyncEngineClient:
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
         await asyncio.to_thread(self._stop_process)
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._outputs_task is not None:
             self._outputs_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -296,6 +304,7 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         self.processor.add_request(request_id, text, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
+        self._tokens_since_log[0] += len(ids) * len(children)
         eos = self.config.model_config.arch.eos_token_ids
         for child_id, child_params in children.items():
             req = Request(child_id, ids, child_params, eos_token_ids=eos)
@@ -335,6 +344,7 @@ class AsyncEngineClient:
             return
         now = time.monotonic()
         self.metrics.on_outputs(msg.outputs, now)
+        self._tokens_since_log[1] += sum(len(o.new_token_ids) for o in msg.outputs)
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:  # stop strings, found during detokenization
             self.metrics.on_finished(to_abort, "stop")
@@ -344,6 +354,22 @@ class AsyncEngineClient:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put(out)
+
+    async def _log_stats_loop(self) -> None:
+        """Every 10 s (SHARDSERVE_LOG_STATS_INTERVAL_S) while there is work: throughput, queue
+        and KV use, as vLLM logs them; --disable-log-stats turns it off."""
+        last, interval = time.monotonic(), envs.log_stats_interval_s()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            (prompt, generated), self._tokens_since_log = self._tokens_since_log, [0, 0]
+            stats, elapsed, last = self.stats, now - last, now
+            if prompt or generated or stats.num_running or stats.num_waiting:
+                logger.info(
+                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                    prompt / elapsed, generated / elapsed, stats.num_running,
+                    stats.num_waiting, 100 * stats.kv_cache_usage)
 
     def _on_process_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 from server_helpers import TINY_ARGS, Server
@@ -26,8 +27,9 @@ def _stream_token_counts(server: Server, body: dict) -> tuple[list[int], str]:
 
 
 def test_events_carry_n_tokens_and_the_text_is_unchanged(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, [*TINY_ARGS, "--stream-interval", "4"],
-                    tmp_path / "server.log")
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--stream-interval", "4",
+                                     "--disable-log-stats"],
+                    tmp_path / "server.log", env={"SHARDSERVE_LOG_STATS_INTERVAL_S": "0.2"})
     try:
         body = {"prompt": "Hello there", "max_tokens": 18, "temperature": 0,
                 "ignore_eos": True}
@@ -36,9 +38,11 @@ def test_events_carry_n_tokens_and_the_text_is_unchanged(tiny_llama_dir, tmp_pat
         whole = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
                            json=body, timeout=60).json()["choices"][0]["text"]
         assert text == whole
+        time.sleep(0.6)  # two stats intervals: --disable-log-stats keeps the log quiet
     finally:
         server.stop()
     assert not server.leftovers()
+    assert "Avg generation throughput" not in server.log()
 
 
 def test_a_bad_stream_interval_is_refused_at_start_up():

@@ -1,10 +1,12 @@
 """vLLM's server surface beyond the completions: `serve MODEL` positional, --chat-template (file
-or text), /tokenize, /detokenize, /v1/models/{id}, /ping, and echo on completions."""
+or text), /tokenize, /detokenize, /v1/models/{id}, /ping, echo on completions, and the periodic
+stats line."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -62,7 +64,7 @@ def test_serve_model_positionally_with_a_chat_template_file(tiny_llama_dir, tmp_
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     server = Server(None, [str(tiny_llama_dir), *TINY_ARGS, "--chat-template", str(template)],
-                    tmp_path / "server.log")
+                    tmp_path / "server.log", env={"SHARDSERVE_LOG_STATS_INTERVAL_S": "0.2"})
     try:
         got = httpx.post(f"{server.url}/tokenize", timeout=30,
                          json={"messages": [{"role": "user", "content": "hi"}]}).json()
@@ -70,8 +72,14 @@ def test_serve_model_positionally_with_a_chat_template_file(tiny_llama_dir, tmp_
                                                          "add_special_tokens": False},
                          timeout=30).json()
         assert got["tokens"] == tok["tokens"]
+        body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
+                          timeout=60).status_code == 200
+        time.sleep(0.6)  # two stats intervals after the request
     finally:
         server.stop()
+    # vLLM's periodic line (the --stream-interval test checks --disable-log-stats)
+    assert "Avg generation throughput" in server.log()
 
 
 @pytest.mark.parametrize(("argv", "words"), [

@@ -1,0 +1,70 @@
+"""Options a vLLM user passes: a hub id found in the local Hugging Face cache (never a download;
+a clear error naming the cache when absent), tokenizer_mode, and the GPU-only options accepted
+on CPU with one log line each saying they do not apply."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from shardserve import LLM, config
+from shardserve.config import EngineConfig
+
+SCRIPT = """
+import sys
+from shardserve import LLM, SamplingParams
+llm = LLM("tiny-org/tiny-llama", dtype="float32", max_model_len=64)
+out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+print("TOKENS", out[0].outputs[0].token_ids)
+llm.shutdown()
+"""
+
+
+def _hub_cache(root, model_dir) -> None:
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>}."""
+    repo = root / "models--tiny-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+
+
+def test_a_hub_id_loads_from_the_local_cache(tiny_llama_dir, tmp_path):
+    _hub_cache(tmp_path / "hub", tiny_llama_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TOKENS [" in proc.stdout
+    missing = subprocess.run([sys.executable, "-c", SCRIPT.replace("tiny-llama", "absent")],
+                             env=env, capture_output=True, text=True, timeout=180)
+    assert missing.returncode != 0
+    assert "tiny-org/absent" in missing.stderr and str(tmp_path / "hub") in missing.stderr
+
+
+def test_tokenizer_mode(tiny_llama_dir):
+    assert EngineConfig.from_kwargs(str(tiny_llama_dir), tokenizer_mode="hf")
+    with pytest.raises(ValueError, match="tokenizer_mode='mistral' is not supported"):
+        EngineConfig.from_kwargs(str(tiny_llama_dir), tokenizer_mode="mistral")
+
+
+def test_gpu_only_options_are_accepted_on_cpu_and_said_once(tiny_llama_dir, caplog):
+    options = dict(dtype="float32", max_model_len=64, gpu_memory_utilization=0.85,
+                   swap_space=4, enforce_eager=True, disable_log_stats=True,
+                   trust_remote_code=False)
+    config._NOTED.clear()  # another test may have said them already
+    with caplog.at_level(logging.INFO, logger="shardserve.config"):
+        llm = LLM(str(tiny_llama_dir), **options)
+        llm.shutdown()
+        EngineConfig.from_kwargs(str(tiny_llama_dir), **options)  # said once, not again
+    said = [r.getMessage() for r in caplog.records if r.name == "shardserve.config"]
+    for words in ("gpu_memory_utilization=0.85 applies on CUDA only", "swap_space=4",
+                  "enforce_eager=True changes nothing"):
+        assert sum(words in m for m in said) == 1, (words, said)
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
+        EngineConfig.from_kwargs(str(tiny_llama_dir), gpu_memory_utilization=1.5)
