@@ -32,6 +32,7 @@ LAYERS = {
     "messages": 0,
     "errors": 0,
     "outputs": 0,
+    "inputs": 0,
 }
 # The package's own __init__ re-exports the public API (LLM), like an entry point.
 TOP_LEVEL_FACADES = {"__init__", "__main__"}
