@@ -1,8 +1,26 @@
 """shardserve: an LLM inference engine around a vLLM-style distributed executor layer."""
 
+from typing import Any
+
+from shardserve.engine.arg_utils import EngineArgs
+from shardserve.engine.llm_engine import LLMEngine
 from shardserve.entrypoints.llm import LLM
 from shardserve.errors import EngineDeadError
+from shardserve.inputs import TextPrompt, TokensPrompt
 from shardserve.outputs import CompletionOutput, RequestOutput
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineDeadError", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "CompletionOutput",
+           "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
+
+_ASYNC = {"AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs"}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on use: the async engine pulls in pyzmq's asyncio layer and the server's metrics.
+    if name in _ASYNC:
+        from shardserve.entrypoints import async_llm
+
+        return getattr(async_llm, name)
+    raise AttributeError(f"module 'shardserve' has no attribute {name!r}")

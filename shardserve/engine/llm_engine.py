@@ -36,6 +36,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self._warned_max_tokens = False
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        """vLLM's constructor: from an EngineArgs (shardserve.EngineArgs)."""
+        return cls(engine_args.create_engine_config())
+
     @property
     def vocab_size(self) -> int:
         return self.config.model_config.arch.vocab_size
@@ -115,7 +120,9 @@ class LLMEngine:
             "requests stop there with finish_reason 'length' (warned once)", max_tokens,
             prompt_len, room, self.config.model_config.max_model_len)
 
-    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
         outputs = []
         for rid in request_ids:
             self.core.abort_requests(self.processor.child_ids(rid))

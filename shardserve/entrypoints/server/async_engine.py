@@ -247,6 +247,13 @@ class AsyncEngineClient:
             self._closing = True
             self._stop_process()
 
+    def close_sockets(self) -> None:
+        """After shutdown_sync, outside the loop: close the ZMQ sockets the loop opened."""
+        if self._ctx is not None and not self._ctx.closed:
+            self._in.close(linger=0)
+            self._out.close(linger=0)
+            self._ctx.term()
+
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None

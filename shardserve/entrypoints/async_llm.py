@@ -1,0 +1,80 @@
+"""AsyncLLM (vLLM's `AsyncLLM` / `AsyncLLMEngine`): the engine for asyncio programs.
+
+The engine core runs in its own process, as under `shardserve serve` (this is the server's engine
+client without the HTTP layer); `generate()` is an async iterator of cumulative RequestOutputs,
+and leaving it early aborts the request. Needs the server extra (`pip install
+'shardserve[server]'`, for the metrics the client keeps).
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=None))
+    async for output in engine.generate("Hello", SamplingParams(max_tokens=16), "req-1"):
+        print(output.outputs[0].text)
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from shardserve.config import EngineConfig
+from shardserve.engine.arg_utils import EngineArgs
+from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.outputs import RequestOutput
+from shardserve.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stream_interval: int = 1) -> None:
+        try:
+            from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+        except ImportError as e:
+            raise ImportError(f"AsyncLLM needs the server extra ({e}): pip install "
+                              f"'shardserve[server]'") from e
+        self.config = config
+        self._client = AsyncEngineClient(config, stream_interval=stream_interval)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **_: Any) -> AsyncLLM:
+        return cls(engine_args.create_engine_config())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._client.tokenizer
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | dict,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one request as it runs (the last has finished=True)."""
+        await self._start()
+        params = sampling_params if isinstance(sampling_params, SamplingParams) \
+            else SamplingParams(**sampling_params)
+        LLMEngine.check_params(params)
+        processed = self._client.inputs.process_prompt(prompt)
+        async for output in self._client.generate(request_id, processed, params):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        await self._client.abort(request_id)
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            await self._client.start()
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncLLM runs in the event loop it was first used in")
+
+    async def shutdown_async(self) -> None:
+        await self._client.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine process (from outside the event loop, e.g. after asyncio.run)."""
+        if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
+            raise RuntimeError("inside the event loop, await engine.shutdown_async()")
+        self._client.shutdown_sync()
+        self._client.close_sockets()
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's older name for the same engine
+AsyncEngineArgs = EngineArgs
