@@ -1,9 +1,12 @@
 """OpenAI request models (pydantic) and their mapping to SamplingParams.
 
 Types are strict (a string is not an int), so a wrong type is a 400 naming the field; ranges are
-left to SamplingParams, whose ValueErrors name the field and the valid range. Unknown fields are
-ignored, as OpenAI-compatible servers commonly do. Besides OpenAI's fields, vLLM's sampling
-extensions (top_k, min_p, ignore_eos, ...) are accepted.
+left to SamplingParams, whose ValueErrors name the field and the valid range. Besides OpenAI's
+fields, vLLM's extensions (top_k, min_p, ignore_eos, structured_outputs, ...) are accepted.
+
+Nothing is silently ignored: a field OpenAI or vLLM defines that this server does not implement
+is a 400 naming it (unless it holds its neutral value, e.g. use_beam_search=false); a field
+nobody defines is ignored with one log line listing it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -48,7 +51,29 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# Fields OpenAI or vLLM define that this server does not implement → their neutral values
+# (a request holding that value asks for nothing, so it is served).
+_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+    "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
+    "return_tokens_as_token_ids": False, "return_token_ids": None, "prompt_embeds": None,
+    "priority": 0, "spaces_between_special_tokens": True, "cache_salt": None,
+    "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
+    "documents": None, "reasoning_effort": None, "include_reasoning": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None,
+    "function_call": None, "logit_bias": None, "audio": None, "modalities": None,
+    "prediction": None, "store": None, "metadata": None, "service_tier": None,
+}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+# vLLM fields this server takes that are not declared on the models (no effect here).
+_ACCEPTED = {"request_id"}
+
+
 class _SamplingRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -75,15 +100,24 @@ class _SamplingRequest(_Strict):
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
 
-    def check_supported(self) -> None:
+    def check_supported(self) -> list[str]:
+        """400 for a defined field this server does not implement; returns the names of the
+        fields nobody defines (the caller logs them)."""
+        extra = dict(self.model_extra or {})
         if self.logit_bias:
             raise ServerError(400, "logit_bias is not supported", "logit_bias")
+        for name, neutral in _UNSUPPORTED.items():
+            if name in extra and extra[name] not in (neutral, None):
+                hint = (f"; use structured_outputs={{\"{_GUIDED[name]}\": ...}}"
+                        if name in _GUIDED else "")
+                raise ServerError(400, f"{name} is not supported by this server{hint}", name)
         if self.stream_options is not None and not self.stream:
             raise ServerError(400, "stream_options is only allowed when stream is true",
                               "stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise ServerError(400, "prompt_logprobs is not returned on streams; request it "
                               "with stream false", "prompt_logprobs")
+        return sorted(set(extra) - set(_UNSUPPORTED) - _ACCEPTED)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field and the valid range (from SamplingParams)."""
@@ -143,8 +177,8 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self) -> list[str]:
+        unknown = super().check_supported()
         if self.echo and self.logprobs is not None:
             raise ServerError(400, "echo with logprobs needs the prompt's logprobs, which "
                               "this server does not return; drop one of them", "echo")
@@ -155,6 +189,11 @@ class CompletionRequest(_SamplingRequest):
                               f"{self.best_of}", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ServerError(400, "prompt must not be an empty list", "prompt")
+        if (self.model_extra or {}).get("add_special_tokens", True) is not True:
+            raise ServerError(400, "add_special_tokens=false is not supported on completions "
+                              "(the tokenizer's special tokens are always added)",
+                              "add_special_tokens")
+        return [name for name in unknown if name != "add_special_tokens"]
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a str, a list of str, token ids, or lists of them."""
@@ -196,10 +235,23 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self) -> list[str]:
+        unknown = super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ServerError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        extra = self.model_extra or {}
+        for name in ("echo", "add_special_tokens"):
+            if extra.get(name):
+                raise ServerError(400, f"{name} is not supported on chat completions", name)
+        return sorted(set(unknown) - {"echo", "add_special_tokens", "continue_final_message"})
+
+    @property
+    def continue_final_message(self) -> bool:
+        value = (self.model_extra or {}).get("continue_final_message", False)
+        if not isinstance(value, bool):
+            raise ServerError(400, f"continue_final_message must be a bool, got {value!r}",
+                              "continue_final_message")
+        return value
 
     def template_kwargs(self) -> dict[str, Any]:
         """apply_chat_template's extra arguments: chat_template_kwargs and chat_template."""

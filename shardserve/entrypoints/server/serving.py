@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -34,6 +35,8 @@ from shardserve.entrypoints.server.protocol import (
 from shardserve.errors import EngineDeadError
 from shardserve.outputs import CompletionOutput, RequestOutput
 from shardserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,7 +122,7 @@ class OpenAIServing:
                               in str(e) else "response_format") from e
 
     async def completion_job(self, req: CompletionRequest) -> _Job:
-        req.check_supported()
+        _log_unknown(req.check_supported())
         self.check_model(req.model)
         self.limits.check_sampling(req)
         texts = req.prompts()
@@ -138,15 +141,21 @@ class OpenAIServing:
                     prompts, params, req.stream, req.include_usage, echo=echo)
 
     async def chat_job(self, req: ChatCompletionRequest) -> _Job:
-        req.check_supported()
+        _log_unknown(req.check_supported())
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ServerError(400, "continue_final_message needs add_generation_prompt false: "
+                              "the last message is continued, not answered",
+                              "continue_final_message")
         self.check_model(req.model)
         self.limits.check_sampling(req)
         self.limits.check_chat_template(req)
         self.limits.check_prompt_count(1, req.n)
         self.client.check_alive()
         messages = [m.as_template_dict() for m in req.messages]
-        prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt,
-                                                req.template_kwargs())
+        kwargs = req.template_kwargs()
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt, kwargs)
         requested = req.requested_max_tokens
         params = self._params(req, prompt[1], requested, requested is not None, None,
                               req.num_logprobs)
@@ -298,6 +307,12 @@ class OpenAIServing:
 
 _OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 _CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+
+
+def _log_unknown(names: list[str]) -> None:
+    if names:
+        logger.info("ignored request fields that neither OpenAI nor vLLM define: %s",
+                    ", ".join(names))
 
 
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:

@@ -94,3 +94,40 @@ def test_prompt_logprobs_equal_offline(tiny_server, tiny_offline):
     streamed = httpx.post(f"{tiny_server.url}/v1/completions", headers=tiny_server.headers,
                           timeout=60, json={**body, "stream": True})
     assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"use_beam_search": True}, "use_beam_search", ["not supported"]),
+    ({"guided_json": {"type": "object"}}, "guided_json", ["structured_outputs", "json"]),
+    ({"bad_words": ["x"]}, "bad_words", ["not supported"]),
+    ({"add_special_tokens": False}, "add_special_tokens", ["add_special_tokens=false"]),
+])
+def test_defined_but_unimplemented_fields_are_a_400(client, tiny_server, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=2,
+                                  extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param and all(w in error["message"] for w in words), error
+
+
+def test_neutral_values_pass_and_unknown_fields_are_logged(client, tiny_server):
+    ok = client.completions.create(model=model_name(tiny_server), prompt="x", max_tokens=2,
+                                   extra_body={"use_beam_search": False, "priority": 0,
+                                               "no_such_field_xyz": 1})
+    assert ok.choices[0].finish_reason == "length"
+    assert "ignored request fields that neither OpenAI nor vLLM define: no_such_field_xyz" \
+        in tiny_server.log()
+
+
+def test_chat_continue_final_message(client, tiny_server):
+    import httpx
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    body = {"model": model_name(tiny_server), "messages": messages, "max_tokens": 2,
+            "add_generation_prompt": False, "continue_final_message": True}
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body,
+                      headers=tiny_server.headers, timeout=60)
+    assert resp.status_code == 200, resp.text
+    both = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=tiny_server.headers,
+                      timeout=60, json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and "continue_final_message" in both.text
