@@ -36,9 +36,10 @@ from shardserve.errors import EngineDeadError
 
 def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
               api_key: str | None = None, docs: bool = True,
-              limits: ServerLimits | None = None, chat_template: str | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_template: str | None = None,
+              tool_parser: str | None = None) -> FastAPI:
     limits = limits or ServerLimits()
-    serving = OpenAIServing(client, served_name, aliases, limits, chat_template)
+    serving = OpenAIServing(client, served_name, aliases, limits, chat_template, tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

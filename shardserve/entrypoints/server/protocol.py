@@ -221,6 +221,9 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        for key in ("tool_calls", "tool_call_id"):  # a conversation with tool calls in it
+            if (self.model_extra or {}).get(key) is not None:
+                message[key] = self.model_extra[key]
         return message
 
 
@@ -234,6 +237,10 @@ class ChatCompletionRequest(_SamplingRequest):
     # A client's own chat template: refused unless the server trusts them (ServerLimits)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calls (see tool_calls.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()

@@ -75,6 +75,13 @@ class ServeCommand:
         group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                            help="A Jinja chat template for /v1/chat/completions instead of the "
                            "model's own: a file's path, or the template itself.")
+        group.add_argument("--enable-auto-tool-choice", action="store_true", help="Let the "
+                           "model decide when to call tools (tool_choice auto); needs "
+                           "--tool-call-parser.")
+        group.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                           help="How tool calls are read from free text: hermes "
+                           "(<tool_call>{...}</tool_call>, the SmolLM2 / Qwen2 / Hermes "
+                           "format).")
         group.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
                            help="Streamed responses send a request's first token at once, "
                            "then every N tokens in one event, and the rest at its end "
@@ -125,7 +132,8 @@ class ServeCommand:
                                        stream_interval=args.stream_interval)
             app = build_app(client, served, aliases, api_key,
                             docs=not args.disable_fastapi_docs, limits=limits,
-                            chat_template=chat_template)
+                            chat_template=chat_template,
+                            tool_parser=_tool_parser(args))
             uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.uvicorn_log_level,
                                        access_log=args.access_log,
@@ -141,6 +149,12 @@ class ServeCommand:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
         return status
+
+
+def _tool_parser(args: argparse.Namespace) -> str | None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _model_arg(positional: str | None, flag: str | None) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from shardserve.entrypoints.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from shardserve.entrypoints.server.tool_calls import ToolMode, tool_mode
 from shardserve.errors import EngineDeadError
 from shardserve.outputs import CompletionOutput, RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -52,6 +54,7 @@ class _Job:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    tools: ToolMode | None = None  # chat with tools
 
     @property
     def n(self) -> int:
@@ -71,7 +74,9 @@ class _Sent:
 
 class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str],
-                 limits: ServerLimits | None = None, chat_template: str | None = None) -> None:
+                 limits: ServerLimits | None = None, chat_template: str | None = None,
+                 tool_parser: str | None = None) -> None:
+        self.tool_parser = tool_parser  # --tool-call-parser, with --enable-auto-tool-choice
         self.client = client
         self.served_name = served_name
         self.aliases = aliases | {served_name}
@@ -155,13 +160,23 @@ class OpenAIServing:
         kwargs = req.template_kwargs()
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        tools = tool_mode(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
+        if tools is not None:
+            kwargs["tools"] = req.tools
         prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt, kwargs)
         requested = req.requested_max_tokens
         params = self._params(req, prompt[1], requested, requested is not None, None,
                               req.num_logprobs)
+        constraint = tools.constraint() if tools is not None else None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ServerError(400, "tool_choice named or required constrains the output "
+                                  "already; drop response_format / structured_outputs",
+                                  "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=constraint)
         await self._check_grammar(params)
         return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
-                    [prompt], [params], req.stream, req.include_usage)
+                    [prompt], [params], req.stream, req.include_usage, tools=tools)
 
     # ---- tokenizer endpoints ----
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -224,6 +239,8 @@ class OpenAIServing:
             prefix = job.echo[i] if job.echo else ""
             for c in finals[i].outputs:
                 choice = self._choice(job, i * job.n + c.index, c, prefix + c.text, 0, None)
+                if _calls_tools(job):
+                    self._tool_message(job, c, choice["message"], choice)
                 if job.kind == "completion" and finals[i].prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs(finals[i])
                 choices.append(choice)
@@ -233,7 +250,45 @@ class OpenAIServing:
             body["prompt_logprobs"] = _prompt_logprobs(finals[0])
         return body
 
+    def _tool_message(self, job: _Job, c: CompletionOutput, message: dict[str, Any],
+                      choice: dict[str, Any]) -> None:
+        """Turn a finished generation into content + tool_calls (see tool_calls.py)."""
+        assert job.tools is not None
+        content, calls = job.tools.calls(c.text)
+        message["content"] = content
+        message["tool_calls"] = calls
+        if calls and job.tools.kind != "named" and c.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+    async def _sse_tools(self, job: _Job) -> AsyncIterator[str]:
+        """A streamed tool-call response: whole, at the end, in OpenAI's delta format."""
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _merge(self._streams(job)):
+            finals[i] = out
+        for c in finals[0].outputs:
+            message: dict[str, Any] = {}
+            choice: dict[str, Any] = {"index": c.index, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": None}
+            self._tool_message(job, c, message, choice)
+            delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+            yield _event(self._chunk(job, [{**choice, "finish_reason": None, "delta": delta}]))
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            if calls:
+                yield _event(self._chunk(job, [{**choice, "finish_reason": None,
+                                                "delta": {"tool_calls": calls}}]))
+            yield _event(self._chunk(job, [{**choice, "delta": {}}]))
+        if job.include_usage:
+            yield _event(self._chunk(job, [], _usage(job, finals)))
+
     async def _sse(self, job: _Job) -> AsyncIterator[str]:
+        if _calls_tools(job):
+            try:
+                async for event in self._sse_tools(job):
+                    yield event
+            except EngineDeadError as e:
+                yield _event(error_body(str(e), "ServiceUnavailableError", None, 503))
+            yield "data: [DONE]\n\n"
+            return
         sent: dict[int, _Sent] = {}
         finals: dict[int, RequestOutput] = {}
         hold = max((len(s) for s in job.params[0].stop), default=1) - 1
@@ -307,6 +362,10 @@ class OpenAIServing:
 
 _OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
 _CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+
+
+def _calls_tools(job: _Job) -> bool:
+    return job.tools is not None and job.tools.kind != "none"
 
 
 def _log_unknown(names: list[str]) -> None:

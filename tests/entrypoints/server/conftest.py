@@ -11,7 +11,9 @@ from server_helpers import API_KEY, TINY_ARGS, Server
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir, tmp_path_factory):
-    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path_factory.mktemp("srv") / "server.log")
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--enable-auto-tool-choice",
+                                     "--tool-call-parser", "hermes"],
+                    tmp_path_factory.mktemp("srv") / "server.log")
     yield server
     server.stop()
     assert not server.leftovers()
