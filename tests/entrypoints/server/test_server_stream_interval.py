@@ -4,12 +4,13 @@ the rest at the end; the text is the same as without streaming; a bad N is refus
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
+import pytest
 from server_helpers import TINY_ARGS, Server
+
+from shardserve.entrypoints import cli
 
 
 def _stream_token_counts(server: Server, body: dict) -> tuple[list[int], str]:
@@ -34,7 +35,10 @@ def test_events_carry_n_tokens_and_the_text_is_unchanged(tiny_llama_dir, tmp_pat
         body = {"prompt": "Hello there", "max_tokens": 18, "temperature": 0,
                 "ignore_eos": True}
         counts, text = _stream_token_counts(server, body)
-        assert counts == [1, 4, 4, 4, 4, 1], counts
+        # [1, 4, 4, 4, 4, 1] when the client keeps up; a client that falls behind gets events
+        # merged (one pending output a request), so they hold multiples of 4 and the rest.
+        assert counts[0] == 1 and sum(counts) == 18 and len(counts) <= 6, counts
+        assert all(n % 4 == 0 for n in counts[1:-1]) and counts[-1] % 4 == 1, counts
         whole = httpx.post(f"{server.url}/v1/completions", headers=server.headers,
                            json=body, timeout=60).json()["choices"][0]["text"]
         assert text == whole
@@ -45,9 +49,9 @@ def test_events_carry_n_tokens_and_the_text_is_unchanged(tiny_llama_dir, tmp_pat
     assert "Avg generation throughput" not in server.log()
 
 
-def test_a_bad_stream_interval_is_refused_at_start_up():
-    proc = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--stream-interval",
-                           "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "--stream-interval" in proc.stderr and "'0' is not a whole number >= 1" \
-        in proc.stderr, proc.stderr
+def test_a_bad_stream_interval_is_refused_at_start_up(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--stream-interval", "0"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "--stream-interval" in err and "'0' is not a whole number >= 1" in err, err
