@@ -37,9 +37,10 @@ def long_model(tmp_path_factory, tiny_model_builder):
 class SlowReader(threading.Thread):
     """Sends a streaming request, then reads nothing for stall_s seconds and until `go`."""
 
-    def __init__(self, server: Server, stall_s: float, go: threading.Event | None = None) -> None:
+    def __init__(self, server: Server, stall_s: float, go: threading.Event | None = None,
+                 tokens: int = TOKENS) -> None:
         super().__init__(daemon=True)
-        self.server, self.stall_s = server, stall_s
+        self.server, self.stall_s, self.max_tokens = server, stall_s, tokens
         self.go = go or threading.Event()
         if go is None:
             self.go.set()
@@ -49,11 +50,13 @@ class SlowReader(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"prompt": "The quick brown fox", "max_tokens": TOKENS, "temperature": 0,
+        body = {"prompt": "The quick brown fox", "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "logprobs": 5}
-        # A small receive buffer, so that a client that does not read stops the server's
-        # stream after a few events (as a slow client far away would), not after megabytes.
-        small = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)]
+        # A small receive buffer (64 KiB against the ~2 MiB a stream sends), so that a client
+        # that does not read stops the server's stream early (as a slow client far away
+        # would), not after megabytes. (16 KiB drained at the pace of TCP's zero-window
+        # probes, which back off during the stall: ~30 s of reading.)
+        small = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)]
         try:
             with httpx.Client(transport=httpx.HTTPTransport(socket_options=small),
                               timeout=LIMIT_S) as http, \
@@ -61,6 +64,9 @@ class SlowReader(threading.Thread):
                                 headers=self.server.headers) as resp:
                 time.sleep(self.stall_s)  # headers read; the body waits in the socket
                 self.go.wait(LIMIT_S)
+                # Now read at full speed.
+                sock = resp.extensions["network_stream"].get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         choice = json.loads(line[6:])["choices"][0]
@@ -75,7 +81,8 @@ def test_slow_clients_do_not_grow_the_servers_memory(long_model, tmp_path):
                     tmp_path / "server.log")
     try:
         api = psutil.Process(server.proc.pid)
-        SlowReader(server, 0).join(LIMIT_S)  # warm: first-request allocations happen
+        # Warm: first-request allocations (imports, caches) happen before the baseline.
+        SlowReader(server, 0, tokens=200).join(LIMIT_S)
         before = api.memory_info().rss
         go = threading.Event()
         readers = [SlowReader(server, STALL_S, go) for _ in range(4)]
