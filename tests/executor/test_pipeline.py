@@ -23,8 +23,8 @@ from pp_oracle import assert_matches_hf  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_on", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize(("pp", "async_on"), [(2, True), (2, False), (3, True)],
+                         ids=["2-async", "2-sync", "3-async"])  # PP=3: the default mode only
 def test_default_model_matches_hf(hf_default_model, pp, async_on):
     llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=pp,
               distributed_executor_backend="mp", async_scheduling=async_on)  # fmt: skip
