@@ -146,6 +146,9 @@ class CacheConfig:
     swap_space: float | None = None
     """vLLM's CPU swap for preempted requests (GiB): shardserve recomputes them instead, so it
     is accepted and has no effect (logged)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and all before them) another request already
+    computed; freed blocks keep their contents until evicted, least recently used first."""
 
     def __post_init__(self) -> None:
         _check(

@@ -76,7 +76,8 @@ class EngineCore:
         self.kv_cache_config = kv_config
         self.scheduler = Scheduler(
             config.scheduler_config,
-            KVCacheManager(kv_config.num_blocks, kv_config.block_size),
+            KVCacheManager(kv_config.num_blocks, kv_config.block_size,
+                           config.cache_config.enable_prefix_caching),
             config.model_config.max_model_len,
             num_stages=config.parallel_config.pipeline_parallel_size,
         )

@@ -52,6 +52,8 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # totals since start (tokens)
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -196,7 +198,8 @@ class EngineCoreLoop:
     def _stats(self) -> SchedulerStats:
         sched = self.core.scheduler
         return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
-                              sched.total_preemptions)
+                              sched.total_preemptions, sched.kv.stats.queries,
+                              sched.kv.stats.hits)
 
     def _report_dead(self, error: str) -> None:
         self._send(EngineOutputs([], self._stats(), dead_error=error))

@@ -42,10 +42,15 @@ class Request:
     stop_reason: int | str | None = None
     # Structured outputs: the engine core's RequestGrammar (set on arrival there; never sent on).
     grammar: Any = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def max_output_tokens(self) -> int:

@@ -167,6 +167,10 @@ class Scheduler:
         """Count n scheduled tokens as computed; a step that reaches the end samples one more
         (for a constrained request, noted with the index of the output token it samples)."""
         request.num_computed_tokens += n
+        known = min(request.num_computed_tokens, request.num_tokens)  # ids known, KV scheduled
+        if known // self.kv.block_size > self.kv.num_registered(request.request_id) \
+                and self.kv.enable_prefix_caching:
+            self.kv.register_full_blocks(request.request_id, request.all_token_ids, known)
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             if request.grammar is not None:
@@ -192,12 +196,19 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once that token is known
-            remaining = request.num_tokens - request.num_computed_tokens
+            prefix = self._cached_prefix(request)
+            start = max(request.num_computed_tokens, len(prefix) * self.kv.block_size)
+            remaining = request.num_tokens - start
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if self.kv.allocate(request.request_id, request.num_computed_tokens + n) is None:
+            if self.kv.allocate(request.request_id, start + n, prefix) is None:
                 break
+            if self._may_use_cache(request):
+                self.kv.count_lookup(request.num_tokens, len(prefix) * self.kv.block_size)
+            if prefix:
+                request.num_computed_tokens = start
+                request.num_cached_tokens = max(request.num_cached_tokens, start)
             self.waiting.popleft()
             request.num_output_tokens_sent = len(request.output_token_ids)
             request.status = RequestStatus.RUNNING
@@ -216,6 +227,18 @@ class Scheduler:
             self._advance(request, n)
             budget -= n
         self.waiting.extendleft(reversed(compiling))
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks for a request that holds none yet (new, or preempted), leaving at
+        least its last token to compute. Prompt logprobs need every prompt position computed,
+        so such a request takes none."""
+        if not self._may_use_cache(request):
+            return []
+        return self.kv.cached_prefix(request.all_token_ids, request.num_tokens - 1)
+
+    def _may_use_cache(self, request: Request) -> bool:
+        return (self.kv.enable_prefix_caching and not request.num_computed_tokens
+                and request.sampling_params.prompt_logprobs is None)
 
     def _end_outside(self, request: Request, why: str) -> None:
         logger.error("request %s: %s; it ends (finish_reason abort)", request.request_id, why)
@@ -268,6 +291,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     new_logprobs=_logprobs_entry(output, j),
+                    num_cached_tokens=request.num_cached_tokens,
                     prompt_logprobs=prompt_logprobs.pop(rid, None),
                 )
             )

@@ -142,6 +142,17 @@ class LLM:
                 bar.close()
         return finished
 
+    def get_metrics(self) -> dict[str, float]:
+        """Engine counters since start: prefix-cache queries and hits (prompt tokens) and the
+        hit rate, preemptions, running and waiting requests."""
+        scheduler = self.engine.core.scheduler
+        stats = scheduler.kv.stats
+        return {"prefix_cache_queries": stats.queries, "prefix_cache_hits": stats.hits,
+                "prefix_cache_hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
+                "num_preemptions": scheduler.total_preemptions,
+                "num_requests_running": scheduler.num_running,
+                "num_requests_waiting": scheduler.num_waiting}
+
     def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs=None
     ) -> list[Any]:

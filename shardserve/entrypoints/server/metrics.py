@@ -55,6 +55,11 @@ class ServerMetrics:
         self.e2e = Histogram("shardserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_queries = Counter("shardserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("shardserve:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", registry=r)
+        self._prefix_seen = (0, 0)  # the engine's totals last applied
         self._timings: dict[str, _Timing] = {}
 
     def on_stats(self, stats) -> None:
@@ -62,6 +67,10 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.preemptions.set(stats.num_preemptions)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
 
     def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None:
         now = time.monotonic()

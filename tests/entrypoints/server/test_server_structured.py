@@ -131,3 +131,15 @@ def test_chat_continue_final_message(client, tiny_server):
     both = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=tiny_server.headers,
                       timeout=60, json={**body, "add_generation_prompt": True})
     assert both.status_code == 400 and "continue_final_message" in both.text
+
+
+def test_prefix_cache_counters_in_metrics(client, tiny_server):
+    """The second request with the same long prompt reuses its blocks: /metrics counts it."""
+    before = (tiny_server.metric("shardserve:prefix_cache_queries_total", 0.0),
+              tiny_server.metric("shardserve:prefix_cache_hits_total", 0.0))
+    prompt = "The same long prompt, repeated to fill several blocks. " * 6
+    for _ in range(2):
+        client.completions.create(model=model_name(tiny_server), prompt=prompt, max_tokens=2)
+    queries = tiny_server.metric("shardserve:prefix_cache_queries_total") - before[0]
+    hits = tiny_server.metric("shardserve:prefix_cache_hits_total") - before[1]
+    assert queries > 0 and 16 <= hits < queries, (queries, hits)
