@@ -71,12 +71,6 @@ class GrammarOutput:
     req_ids: list[str]
     token_bitmask: np.ndarray
 
-    def allowed(self, vocab_size: int) -> np.ndarray:
-        """bool [len(req_ids), vocab_size]: the bitmask unpacked."""
-        as_bytes = np.ascontiguousarray(self.token_bitmask, dtype="<i4").view(np.uint8)
-        bits = np.unpackbits(as_bytes, axis=1, bitorder="little")
-        return bits[:, :vocab_size].astype(bool)
-
 
 @dataclass
 class PromptLogprobs:

@@ -168,8 +168,8 @@ class Scheduler:
         (for a constrained request, noted with the index of the output token it samples)."""
         request.num_computed_tokens += n
         known = min(request.num_computed_tokens, request.num_tokens)  # ids known, KV scheduled
-        if known // self.kv.block_size > self.kv.num_registered(request.request_id) \
-                and self.kv.enable_prefix_caching:
+        if self.kv.enable_prefix_caching and \
+                known // self.kv.block_size > self.kv.num_registered(request.request_id):
             self.kv.register_full_blocks(request.request_id, request.all_token_ids, known)
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
 import pytest
 
 from shardserve import LLM, SamplingParams
-from shardserve.messages import GrammarOutput
 from shardserve.sampling_params import StructuredOutputsParams as S
 
 TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
@@ -127,15 +125,6 @@ def test_a_grammar_that_does_not_parse_is_refused_before_queueing(tp3_model, spe
         assert len(llm.generate(["a"], good)[0].outputs[0].token_ids) == 4  # still serving
     finally:
         llm.shutdown()
-
-
-def test_the_bitmask_unpacks_little_endian_per_word():
-    bitmask = np.zeros((2, 2), dtype=np.int32)
-    bitmask[0, 0] = 1 << 3
-    bitmask[1, 1] = np.int32(-(1 << 31))  # bit 31 of word 1: token 63
-    allowed = GrammarOutput(["a", "b"], bitmask).allowed(64)
-    assert np.flatnonzero(allowed[0]).tolist() == [3]
-    assert np.flatnonzero(allowed[1]).tolist() == [63]
 
 
 @pytest.mark.slow
