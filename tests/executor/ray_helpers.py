@@ -4,6 +4,7 @@ check that an engine left nothing behind in it."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shutil
 import tempfile
@@ -44,11 +45,18 @@ def ray_env() -> Iterator[str]:
 def ray_session(**init_kwargs) -> Iterator[None]:
     with ray_env() as tmp:
         ray.init(include_dashboard=False, _temp_dir=tmp, **init_kwargs)
+        restore_faulthandler()
         try:
             yield
         finally:
             ray.shutdown()
             assert_no_ray_processes()
+
+
+def restore_faulthandler() -> None:
+    """ray.init() installs its own fatal-signal handler in this process; put Python's back
+    (it chains to Ray's) so a crash in a test prints the Python stack of every thread."""
+    faulthandler.enable(all_threads=True)
 
 
 def ray_children() -> list[psutil.Process]:

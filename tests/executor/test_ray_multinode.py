@@ -12,7 +12,13 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from ray_helpers import assert_no_ray_processes, nothing_left, our_segments, ray_env  # noqa: E402
+from ray_helpers import (  # noqa: E402
+    assert_no_ray_processes,
+    nothing_left,
+    our_segments,
+    ray_env,
+    restore_faulthandler,
+)
 
 from shardserve import LLM, SamplingParams  # noqa: E402
 
@@ -84,6 +90,7 @@ def test_one_rank_per_node(two_nodes, tiny_llama_dir, uni_tokens, backend):
     # The engine joined a cluster it did not start: it disconnected and left the cluster up.
     assert not ray.is_initialized()
     ray.init(address=two_nodes.address)
+    restore_faulthandler()
     try:
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         nothing_left(before)
