@@ -51,10 +51,8 @@ def rpc_stall_warning_s() -> float:
 
 
 def ipc_spin_us() -> float | None:
-    """SHARDSERVE_IPC_SPIN_US: how long a MessageQueue side polls before blocking in the kernel.
-
-    Unset: decided from the CPU affinity (spin only when cores outnumber the spinning processes).
-    """
+    """SHARDSERVE_IPC_SPIN_US: how long a MessageQueue side polls (yielding the core between
+    looks) before blocking in the kernel; 0 blocks at once. Unset: 100 (see wakeup.py)."""
     raw = os.environ.get("SHARDSERVE_IPC_SPIN_US")
     return None if raw is None or raw == "" else _get_float("SHARDSERVE_IPC_SPIN_US", 0.0)
 

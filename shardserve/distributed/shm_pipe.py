@@ -31,7 +31,7 @@ import torch
 
 from shardserve.distributed.shm_allreduce import map_segment
 from shardserve.ipc.segments import unlink_segment
-from shardserve.ipc.wakeup import default_spin_s, futex_wait, futex_wake
+from shardserve.ipc.wakeup import futex_wait, futex_wake, poll_window_s
 
 _STRIDE = 8  # int64s between counters: one cache line each
 _SLEEP_SLICE_S = 0.05  # longest futex sleep before re-checking the deadline
@@ -56,7 +56,7 @@ class ShmPipe:
         raw = torch.frombuffer(self._map, dtype=torch.uint8, offset=header, count=n * slot_bytes)
         self._slots = raw.view(n, slot_bytes)
         self._seq = 0
-        self._spin_s = default_spin_s(2, None)
+        self._spin_s = poll_window_s(None)
 
     @staticmethod
     def new_name() -> str:
@@ -109,7 +109,7 @@ class ShmPipe:
         futex_wake(self._base + index * _STRIDE * 8)
 
     def _wait(self, index: int, target: int, what: str) -> None:
-        """Until counter `index` reaches `target`: spin briefly, then sleep on its futex."""
+        """Until counter `index` reaches `target`: poll (yielding), then sleep on its futex."""
         counter = self._counters[index * _STRIDE : index * _STRIDE + 1]
         if counter[0] >= target:
             return

@@ -29,6 +29,8 @@ from shardserve.ipc.waiting import BoundedWait
 from shardserve.ipc.zmq_channel import KIND_CLOSE, KIND_MSG, KIND_READY, Publisher, Subscriber
 
 logger = logging.getLogger(__name__)
+_yield = os.sched_yield
+_POLL_SKIP_FACTOR = 4
 
 _CLOSE_WAIT_S = 2.0  # how long close() waits for an operation in another thread to unwind
 _OVERFLOW = object()
@@ -90,8 +92,8 @@ class MessageQueue:
         self.warn_interval_s = (envs.ipc_warn_interval_s() if warn_interval_s is None
                                 else warn_interval_s)
         spin = envs.ipc_spin_us() if spin_us is None else spin_us
-        self._spin_s = wakeup.default_spin_s(n_local + 1, spin)
-        self._oob_threshold = envs.ipc_oob_threshold()
+        self._spin_s = wakeup.poll_window_s(spin)
+        self._encoder = ser.Encoder(envs.ipc_oob_threshold())
         self._ready = False
         self._closing = False
         self._released = False
@@ -99,6 +101,7 @@ class MessageQueue:
         self._wait_addr = 0  # futex word this process is sleeping on (close() wakes it)
         self._pending_overflow = False
         self._last_msg_t = time.monotonic()
+        self._last_wait_s = 0.0  # how long the last wait for a message took (poll or not)
 
     @property
     def is_writer(self) -> bool:
@@ -210,18 +213,19 @@ class MessageQueue:
             self._raise_if_closing()
             deadline = _deadline(timeout)
             self._wait_ready_locked(deadline)
-            enc = ser.encode(obj, self._oob_threshold)
             n, ring = self._next, self._ring
             if ring is not None:
                 self._acquire_chunk(n, deadline)
+                chunk = ring.chunks[ring.chunk_of(n)]
+                enc = self._encoder.encode_into(obj, chunk)
+            else:
+                enc = self._encoder.encode_into(obj, None)
             # Remote first: if it times out nothing was published, so the caller may retry.
             if self._remote_pub is not None:
-                self._remote_pub.send(KIND_MSG, enc.frames(), self._send_tick(deadline))
+                frames = enc.frames() if enc is not None else ser.inline_frames(chunk)
+                self._remote_pub.send(KIND_MSG, frames, self._send_tick(deadline))
             if ring is not None:
-                chunk = ring.chunks[ring.chunk_of(n)]
-                if enc.framed_size <= self.max_chunk_bytes:
-                    ser.write_inline(chunk, enc)
-                else:
+                if enc is not None:  # too big for a chunk: over the socket, a marker here
                     self._local_pub.send(KIND_MSG, enc.frames(), self._send_tick(deadline))
                     ser.write_overflow_marker(chunk)
                 ring.publish(n, self._notify)
@@ -244,7 +248,10 @@ class MessageQueue:
         while (r := ring.blocker(n)) >= 0:
             idx = ring.read_index(chunk, r)
             seen = words[idx]
-            if seen == prev or time.perf_counter() < spin_end:
+            if seen == prev:
+                continue
+            if time.perf_counter() < spin_end:
+                _yield()
                 continue
             self._sleep(ring.addr(idx), seen, wait.tick())
 
@@ -304,10 +311,31 @@ class MessageQueue:
         ring = self._ring
         idx = ring.written_index(ring.chunk_of(n))
         words, want, addr = ring.words, n & 0xFFFF_FFFF, ring.addr(idx)
-        spin_end = time.perf_counter() + self._spin_s
-        while time.perf_counter() < spin_end:
-            if words[idx] == want:
+        start = time.perf_counter()
+        try:
+            if self._poll(words, idx, want, start):
                 return
+            self._block_until_written(n, deadline, idx, want, addr)
+        finally:
+            self._last_wait_s = time.perf_counter() - start
+
+    def _poll(self, words: memoryview, idx: int, want: int, start: float) -> bool:
+        """Look at the word, yielding the core between looks, for up to the poll window. Skipped
+        when the last wait took several windows (a slow peer, e.g. a model step: sleeping costs
+        nothing then and the wake-up is small beside the wait)."""
+        if self._last_wait_s > _POLL_SKIP_FACTOR * self._spin_s:
+            return False
+        end = start + self._spin_s
+        while True:
+            if words[idx] == want:
+                return True
+            if time.perf_counter() >= end:
+                return False
+            _yield()
+
+    def _block_until_written(self, n: int, deadline: float | None, idx: int, want: int,
+                             addr: int) -> None:
+        ring, words = self._ring, self._ring.words
         wait = BoundedWait(self, deadline, lambda: self._describe_writer(n),
                            self._check_writer_alive)
         while (seen := words[idx]) != want:

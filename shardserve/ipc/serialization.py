@@ -1,20 +1,25 @@
-"""Pickle protocol 5 with out-of-band buffers, and the frame written into a ring chunk.
+"""Pickle protocol 5 with out-of-band buffers, written straight into a ring chunk.
 
-Big buffers (numpy arrays, CPU torch tensors of ``oob_threshold`` bytes or more) are not copied
-into the pickle stream: the pickler hands them to us as raw memoryviews and the writer copies
-each one straight into the ring chunk (copy 1); the reader copies it out into a fresh, writable
-``bytearray`` (copy 2, unavoidable: the chunk is reused ``max_chunks`` messages later, so a
-received array must not alias it) and the unpickler builds the array on top of that bytearray.
+The writer's pickler writes into the chunk itself (``Encoder.encode_into``): the pickle stream
+costs one copy (the object's bytes into shared memory), not two (into a BytesIO, then into the
+chunk). Big buffers (numpy arrays, CPU torch tensors of ``oob_threshold`` bytes or more) are not
+copied into the pickle stream: the pickler hands them over as raw memoryviews and the writer
+copies each one after the stream. The reader unpickles from the chunk in place (the unpickler
+copies what it builds) and copies each out-of-band buffer into a fresh, writable ``bytearray``
+(unavoidable: the chunk is reused ``max_chunks`` messages later, so a received array must not
+alias it); the array is built on top of that bytearray.
 
 Frame inside a chunk (little endian)::
 
-    0        4        8                  align64(8 + 8 * nbuf)
-    +--------+--------+------------------+------------------+-----+------------------+
-    | kind   | nbuf   | u64 len[nbuf]    | buffer 0: pickle | ... | buffer nbuf-1    |
-    +--------+--------+------------------+------------------+-----+------------------+
+    0        4        8          16     64                 align64(64 + main_len)
+    +--------+--------+----------+------+------------------+-----------------+----------+-----+
+    | kind   | nbuf   | main_len | pad  | pickle stream    | u64 len[nbuf]   | buffer 0 | ... |
+    +--------+--------+----------+------+------------------+-----------------+----------+-----+
 
-``kind`` is INLINE (the message is in this chunk) or OVERFLOW (the chunk is only a marker; the
-message follows on the ZMQ socket in the same order). Every buffer starts 64-byte aligned.
+``nbuf`` counts the out-of-band buffers (the length table and the buffers are absent when it is
+0); each buffer starts 64-byte aligned. ``kind`` is INLINE (the message is in this chunk) or
+OVERFLOW (the chunk is only a marker; the message follows on the ZMQ socket in the same order,
+as the frames [pickle stream, buffer 0, ...]).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any
 
 INLINE = 1
 OVERFLOW = 2
-_HDR = struct.Struct("<II")
+_HDR = struct.Struct("<IIQ")
+_MAIN_OFF = 64
 _LEN_STRUCTS: dict[int, struct.Struct] = {}
 _table_cache: dict[tuple[int, int], dict[Any, Any]] = {}
 
@@ -46,48 +52,140 @@ def _lens_struct(nbuf: int) -> struct.Struct:
 
 
 class Encoded:
-    """A pickled message: the pickle stream plus its out-of-band buffers."""
+    """A pickled message as ZMQ frames: the pickle stream plus its out-of-band buffers."""
 
-    __slots__ = ("main", "oob", "framed_size")
+    __slots__ = ("main", "oob")
 
     def __init__(self, main: memoryview, oob: list[memoryview]) -> None:
         self.main, self.oob = main, oob
-        size = _align(8 + 8 * (1 + len(oob))) + _align(main.nbytes)
-        self.framed_size = size + sum(_align(b.nbytes) for b in oob)
 
     def frames(self) -> list[memoryview]:
         """[pickle stream, *out-of-band buffers], for a ZMQ multipart message."""
         return [self.main, *self.oob]
 
 
-def encode(obj: Any, oob_threshold: int) -> Encoded:
-    oob: list[memoryview] = []
+class _ChunkFile:
+    """The pickler's file: appends into a chunk; spills into a BytesIO once the chunk is full."""
 
-    def keep_in_band(buf: pickle.PickleBuffer) -> bool:
+    __slots__ = ("dst", "pos", "limit", "spill")
+
+    def reset(self, dst: memoryview | None) -> None:
+        self.dst, self.pos = dst, _MAIN_OFF
+        self.limit = 0 if dst is None else dst.nbytes
+        self.spill: io.BytesIO | None = None if dst is not None else io.BytesIO()
+
+    def write(self, b: Any) -> int:
+        if type(b) is not bytes:
+            b = memoryview(b)
+            if b.format != "B" or b.ndim != 1:
+                b = b.cast("B")
+        n = len(b)
+        if self.spill is None:
+            end = self.pos + n
+            if end <= self.limit:
+                self.dst[self.pos : end] = b
+                self.pos = end
+                return n
+            self.spill = io.BytesIO()
+            self.spill.write(self.dst[_MAIN_OFF : self.pos])
+        return self.spill.write(b)
+
+
+class Encoder:
+    """One writer's reusable pickler (building one per message costs more than the pickling).
+
+    Not thread-safe: the queue calls it under its operation lock.
+    """
+
+    def __init__(self, oob_threshold: int) -> None:
+        self.oob_threshold = oob_threshold
+        self._file = _ChunkFile()
+        self._oob: list[memoryview] = []
+        self._pickler: pickle.Pickler | None = None
+        self._table_key: tuple[int, bool] = (-1, False)
+
+    def _keep_in_band(self, buf: pickle.PickleBuffer) -> bool:
         try:
             raw = buf.raw()
         except BufferError:  # not contiguous: let pickle copy it in-band
             return True
-        if raw.nbytes < oob_threshold:
+        if raw.nbytes < self.oob_threshold:
             return True
-        oob.append(raw)
+        self._oob.append(raw)
         return False
 
-    f = io.BytesIO()
-    try:
-        _pickler(f, keep_in_band, pickle.Pickler).dump(obj)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        # Lambdas, local classes and the like: cloudpickle handles them and its output loads
-        # with the plain unpickler.
-        import cloudpickle
+    def _plain_pickler(self) -> pickle.Pickler:
+        key = (len(copyreg.dispatch_table), "torch" in sys.modules)
+        if self._pickler is None or key != self._table_key:
+            self._pickler = _pickler(self._file, self._keep_in_band, pickle.Pickler)
+            self._table_key = key
+        self._pickler.clear_memo()
+        return self._pickler
 
-        oob.clear()
-        f = io.BytesIO()
-        _pickler(f, keep_in_band, cloudpickle.Pickler).dump(obj)
-    return Encoded(f.getbuffer(), oob)
+    def encode_into(self, obj: Any, dst: memoryview | None) -> Encoded | None:
+        """Pickle ``obj`` into ``dst`` as an INLINE frame and return None; or, when it does not
+        fit (or ``dst`` is None), return its ZMQ frames and leave ``dst``'s frame unwritten."""
+        f, oob = self._file, self._oob
+        try:
+            f.reset(dst)
+            oob.clear()
+            self._plain_pickler().dump(obj)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            # Lambdas, local classes and the like: cloudpickle handles them and its output
+            # loads with the plain unpickler.
+            import cloudpickle
+
+            self._pickler = None  # a failed dump may leave state behind: build a fresh one
+            f.reset(dst)
+            oob.clear()
+            _pickler(f, self._keep_in_band, cloudpickle.Pickler).dump(obj)
+        main_len = f.pos - _MAIN_OFF if f.spill is None else f.spill.tell()
+        if f.spill is None and self._place_oob(dst, main_len):
+            return None
+        main = f.spill.getbuffer() if f.spill is not None else memoryview(
+            bytes(dst[_MAIN_OFF : f.pos]))
+        return Encoded(main, list(oob))
+
+    def _place_oob(self, dst: memoryview, main_len: int) -> bool:
+        """Append the out-of-band buffers after the stream and write the header; False when
+        they do not fit."""
+        oob, nbuf = self._oob, len(self._oob)
+        off = _align(_MAIN_OFF + main_len)
+        if nbuf:
+            table, off = off, off + _align(8 * nbuf)
+            if off + sum(_align(b.nbytes) for b in oob) > dst.nbytes:
+                return False
+            _lens_struct(nbuf).pack_into(dst, table, *(b.nbytes for b in oob))
+            for b in oob:
+                n = b.nbytes
+                dst[off : off + n] = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+                off += _align(n)
+        _HDR.pack_into(dst, 0, INLINE, nbuf, main_len)
+        return True
 
 
-def _pickler(f: io.BytesIO, callback: Any, cls: type) -> pickle.Pickler:
+def inline_frames(src: memoryview) -> list[memoryview]:
+    """The ZMQ frames of an INLINE frame, as views of ``src`` (for remote readers)."""
+    _, nbuf, main_len = _HDR.unpack_from(src, 0)
+    frames = [src[_MAIN_OFF : _MAIN_OFF + main_len]]
+    if nbuf:
+        off = _align(_MAIN_OFF + main_len)
+        lens = _lens_struct(nbuf).unpack_from(src, off)
+        off += _align(8 * nbuf)
+        for n in lens:
+            frames.append(src[off : off + n])
+            off += _align(n)
+    return frames
+
+
+def encode(obj: Any, oob_threshold: int) -> Encoded:
+    """One message's ZMQ frames (no ring)."""
+    enc = Encoder(oob_threshold).encode_into(obj, None)
+    assert enc is not None
+    return enc
+
+
+def _pickler(f: Any, callback: Any, cls: type) -> pickle.Pickler:
     p = cls(f, protocol=5, buffer_callback=callback)
     base = getattr(cls, "dispatch_table", None)  # the C Pickler has a descriptor here
     if not isinstance(base, Mapping):
@@ -144,20 +242,8 @@ def decode(main: Any, oob: list[Any]) -> Any:
 # ---- ring chunk frames --------------------------------------------------------------------
 
 
-def write_inline(dst: memoryview, enc: Encoded) -> None:
-    """Copy the message into a chunk (the one copy on the writer side)."""
-    bufs = enc.frames()
-    _HDR.pack_into(dst, 0, INLINE, len(bufs))
-    _lens_struct(len(bufs)).pack_into(dst, 8, *(b.nbytes for b in bufs))
-    off = _align(8 + 8 * len(bufs))
-    for b in bufs:
-        n = b.nbytes
-        dst[off : off + n] = b.cast("B") if b.format != "B" or b.ndim != 1 else b
-        off += _align(n)
-
-
 def write_overflow_marker(dst: memoryview) -> None:
-    _HDR.pack_into(dst, 0, OVERFLOW, 0)
+    _HDR.pack_into(dst, 0, OVERFLOW, 0, 0)
 
 
 def frame_kind(src: memoryview) -> int:
@@ -166,15 +252,16 @@ def frame_kind(src: memoryview) -> int:
 
 def read_inline(src: memoryview) -> Any:
     """Decode a message from a chunk; nothing returned aliases the chunk."""
-    _, nbuf = _HDR.unpack_from(src, 0)
-    lens = _lens_struct(nbuf).unpack_from(src, 8)
-    off = _align(8 + 8 * nbuf)
-    main = src[off : off + lens[0]]
-    off += _align(lens[0])
+    _, nbuf, main_len = _HDR.unpack_from(src, 0)
+    main = src[_MAIN_OFF : _MAIN_OFF + main_len]
     oob = []
-    for n in lens[1:]:
-        oob.append(bytearray(src[off : off + n]))  # the one copy on the reader side
-        off += _align(n)
+    if nbuf:
+        off = _align(_MAIN_OFF + main_len)
+        lens = _lens_struct(nbuf).unpack_from(src, off)
+        off += _align(8 * nbuf)
+        for n in lens:
+            oob.append(bytearray(src[off : off + n]))  # the one copy on the reader side
+            off += _align(n)
     try:
         return pickle.loads(main, buffers=oob)
     finally:

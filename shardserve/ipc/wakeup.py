@@ -70,20 +70,22 @@ def futex_wake(addr: int) -> None:
         _syscall(_NR, addr, _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
 
 
-def default_spin_s(n_spinners: int, override_us: float | None) -> float:
-    """How long to poll before sleeping in the kernel.
+DEFAULT_POLL_US = 100.0
 
-    Spinning only helps when every spinning process has a core of its own; otherwise a spinner
-    steals the core of the process it waits for and each hand-off costs a scheduler tick. So we
-    spin (briefly) only when the cores we may run on outnumber the processes that spin.
+
+def poll_window_s(override_us: float | None) -> float:
+    """How long a waiting side polls its word, yielding the core between looks, before it
+    sleeps in the kernel.
+
+    Measured on 2 cores with a writer and 2 readers (3 processes; ../shared/bench/
+    mq_peer_bench.py): a pure futex sleep costs a wake-up per hop (~95 us a round trip), a
+    busy spin steals the core the other side needs, but polling with sched_yield() between looks
+    hands the core to whichever process has work, so a round trip took ~21 us. With spare cores
+    sched_yield() returns at once and this is a short spin. The window is short, and a side whose
+    last wait outlasted several windows (a slow peer) sleeps at once, so an idle queue costs
+    nothing.
     """
-    if override_us is not None:
-        return max(0.0, override_us) * 1e-6
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return 50e-6 if cores > n_spinners else 0.0
+    return max(0.0, DEFAULT_POLL_US if override_us is None else override_us) * 1e-6
 
 
 def process_start_time(pid: int) -> int:

@@ -33,7 +33,7 @@ WITHIN_S = 5.0
 def _local_pair(**kw: Any) -> tuple[MessageQueue, MessageQueue]:
     w = MessageQueue(1, 1, max_chunk_bytes=kw.pop("chunk", 1 << 16),
                      max_chunks=kw.pop("chunks", 2), **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0, spin_us=kw.get("spin_us"))
     w.wait_until_ready(timeout=10)
     r.wait_until_ready(timeout=10)
     return w, r
@@ -378,12 +378,71 @@ def test_remote_ports_are_bound_by_the_os_and_distinct() -> None:
         w.close()
 
 
-def test_spinning_only_when_cores_outnumber_spinners(monkeypatch: Any) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
-    assert wakeup.default_spin_s(3, None) == 0.0  # writer + 2 readers on 2 cores: block
-    assert wakeup.default_spin_s(1, None) > 0.0
-    assert wakeup.default_spin_s(3, 20.0) == pytest.approx(20e-6)  # explicit override wins
+def test_poll_window_default_and_override() -> None:
+    assert wakeup.poll_window_s(None) == pytest.approx(wakeup.DEFAULT_POLL_US * 1e-6)
+    assert wakeup.poll_window_s(20.0) == pytest.approx(20e-6)  # explicit override wins
+    assert wakeup.poll_window_s(0.0) == 0.0
     assert shm_ring.NAME_PREFIX.startswith("shardserve")
+
+
+def test_a_reader_polls_then_sleeps_and_after_a_long_wait_sleeps_at_once(
+        monkeypatch: Any) -> None:
+    """The reader polls (yielding the core) for its window, then announces a sleep; a message
+    that comes during either is delivered; a wait longer than several windows makes the next
+    wait skip the poll."""
+    from shardserve.ipc import message_queue
+
+    yields: list[int] = []
+    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    window_s = 0.2
+    w, r = _local_pair(chunks=4, spin_us=window_s * 1e6)
+    got: list[Any] = []
+
+    def take() -> threading.Thread:
+        t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
+        t.start()
+        return t
+
+    t = take()  # 1: the message comes while the reader polls
+    wait_until(lambda: yields, "the reader to poll")
+    w.enqueue("a")
+    t.join(30)
+    yields.clear()
+    start = time.monotonic()
+    t = take()  # 2: nothing comes: the reader polls for the window, then sleeps
+    wait_until(lambda: r.is_sleeping(0), "the reader to sleep")
+    assert time.monotonic() - start >= window_s and yields
+    time.sleep(max(0.0, start + 5 * window_s - time.monotonic()))  # > 4 windows in all
+    w.enqueue("b")  # wakes the sleeping reader
+    t.join(30)
+    yields.clear()
+    t = take()  # 3: the last wait outlasted 4 windows: sleep at once, no poll
+    wait_until(lambda: r.is_sleeping(0), "the reader to sleep")
+    assert not yields
+    w.enqueue("c")
+    t.join(30)
+    assert got == ["a", "b", "c"]
+    w.close()
+    r.close()
+
+
+def test_a_writer_polling_for_a_slot_gets_it_when_released(monkeypatch: Any) -> None:
+    """The writer waiting for a full ring's slot polls too; the release ends the wait."""
+    from shardserve.ipc import message_queue
+
+    yields: list[int] = []
+    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    w, r = _local_pair(chunks=1, spin_us=5e6)  # a window far longer than the test
+    w.enqueue(0)
+    t = threading.Thread(target=lambda: w.enqueue(1, timeout=30))
+    t.start()
+    wait_until(lambda: yields, "the writer to poll for the slot")
+    assert r.dequeue(timeout=10) == 0  # the release the writer polls for
+    t.join(30)
+    assert not t.is_alive() and not w.is_sleeping(None)
+    assert r.dequeue(timeout=10) == 1
+    w.close()
+    r.close()
 
 
 def test_overflow_socket_lives_in_a_private_folder_that_goes_with_the_queue() -> None:
