@@ -1,10 +1,13 @@
 """Broadcast-and-reply round trip: shardserve MessageQueue vs multiprocessing and ZMQ.
 
-One writer (this process) sends a numpy uint8 payload to 2 reader processes; each answers with a
+One writer (this process) sends a numpy uint8 payload (or, with --payload bytes, the `bytes` of
+../shared/bench/mq_peer_bench.py) to 2 reader processes; each answers with a
 small reply through its own channel; one step = send + both replies. For every transport and
 payload size we report median and p99 latency (us), steps/s, the CPU used during the timed
 steps (user+sys of all three processes / wall time, in cores), and, once per transport, the CPU
-each reader burns while blocked in its receive call for IDLE_S seconds. All transports stay up and
+each reader burns while blocked in its receive call for IDLE_S seconds. mp.Pipe here is a duplex
+Pipe (a Unix socketpair, whose buffers hold far more than the one-way os.pipe of
+../shared/bench/mq_peer_bench.py): the two agree at 1 and 16 KiB, this one is faster from 256 KiB. All transports stay up and
 are measured in turn, --rounds times, each cell for --seconds; the rounds are pooled.
 
     .venv/bin/python bench/ipc.py [--rounds 4] [--seconds 0.25]
@@ -45,19 +48,19 @@ def _mq_reader(handle: Any, rank: int, setup: Any) -> None:
     bcast.wait_until_ready(timeout=30)
     resp.wait_until_ready(timeout=30)
     while (msg := bcast.dequeue()) is not None:
-        resp.enqueue(msg.nbytes)
+        resp.enqueue(len(msg))
     bcast.close()
     resp.close()
 
 
 def _queue_reader(inq: Any, outq: Any) -> None:
     while (msg := inq.get()) is not None:
-        outq.put(msg.nbytes)
+        outq.put(len(msg))
 
 
 def _pipe_reader(conn: Any) -> None:
-    while (msg := conn.recv()) is not None:
-        conn.send(msg.nbytes)
+    while (msg := pickle.loads(conn.recv_bytes())) is not None:
+        conn.send_bytes(pickle.dumps(len(msg)))
 
 
 def _zmq_reader(sub_addr: str, push_addr: str) -> None:
@@ -71,7 +74,7 @@ def _zmq_reader(sub_addr: str, push_addr: str) -> None:
         msg = pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
         if msg is None:
             break
-        push.send(pickle.dumps(msg.nbytes))
+        push.send(pickle.dumps(len(msg)))
     ctx.destroy(linger=0)
 
 
@@ -156,14 +159,15 @@ class PipeTransport(Transport):
             p.start()
 
     def step(self, payload: Any) -> None:
+        data = pickle.dumps(payload, protocol=5)  # once, like a broadcast (and the harness)
         for c in self.conns:
-            c.send(payload)
+            c.send_bytes(data)
         for c in self.conns:
-            c.recv()
+            c.recv_bytes()
 
     def stop(self) -> None:
         for c in self.conns:
-            c.send(None)
+            c.send_bytes(pickle.dumps(None))
         super().stop()
 
 
@@ -217,9 +221,11 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
-def measure(tr: Transport, size: int, seconds: float) -> dict[str, Any]:
+def measure(tr: Transport, size: int, seconds: float, kind: str) -> dict[str, Any]:
     """One timed cell: raw latencies (s), wall time and CPU seconds of all three processes."""
-    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    payload: Any = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    if kind == "bytes":
+        payload = payload.tobytes()
     for _ in range(WARMUP):
         tr.step(payload)
     everyone = [psutil.Process()] + [psutil.Process(p.pid) for p in tr.procs]
@@ -252,6 +258,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.25, help="timed seconds per cell")
     ap.add_argument("--rounds", type=int, default=4, help="rounds over every transport")
     ap.add_argument("--only", default="", help="comma-separated transport class names")
+    ap.add_argument("--payload", choices=("numpy", "bytes"), default="numpy",
+                    help="bytes: the payload of ../shared/bench/mq_peer_bench.py")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     only = set(args.only.split(",")) if args.only else None
@@ -269,7 +277,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for size in SIZES:
                 for tr in transports:
-                    cell = measure(tr, size, args.seconds)
+                    cell = measure(tr, size, args.seconds, args.payload)
                     cells[tr.name][size].append(cell)
                     print(f"  round {rnd + 1}/{args.rounds} {tr.name} {size} B: median "
                           f"{statistics.median(cell['lat']) * 1e6:.1f} us", file=sys.stderr,
@@ -280,18 +288,19 @@ def main() -> None:
     finally:
         for tr in transports:
             tr.stop()
-    report(results, idle)
+    report(results, idle, args.payload)
 
 
-def report(results: dict[str, dict[int, dict[str, float]]], idle: dict[str, float]) -> None:
-    ours = results["shardserve MQ"]
+def report(results: dict[str, dict[int, dict[str, float]]], idle: dict[str, float],
+           payload: str) -> None:
+    ours = results.get("shardserve MQ")
     print(f"cores available: {len(os.sched_getaffinity(0))}; {N_READERS} readers; "
-          f"payload = numpy uint8 array; reply = int")
+          f"payload = {'numpy uint8 array' if payload == 'numpy' else 'bytes'}; reply = int")
     print(f"{'transport':<14} {'size':>7} {'median us':>10} {'p99 us':>9} {'steps/s':>8} "
           f"{'CPU cores':>9} {'ratio':>6}")
     for name, rows in results.items():
         for size, r in rows.items():
-            ratio = r["median"] / ours[size]["median"]
+            ratio = r["median"] / ours[size]["median"] if ours else float("nan")
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
             print(f"{name:<14} {label:>7} {r['median']:>10.1f} {r['p99']:>9.1f} "
                   f"{r['steps']:>8.0f} {r['cores']:>9.2f} {ratio:>6.2f}")
