@@ -1,9 +1,11 @@
 """The simplest broadcast queue that could beat ours: a floor prototype, not a product.
 
 Data in a shared-memory ring; one process-shared POSIX semaphore per local reader, posted once
-per message (glibc's sem_post makes a syscall only when the reader sleeps); no spinning; readers
-copy the payload out. No liveness checks, no close protocol, no remote readers, no overflow, no
-warnings: everything MessageQueue guarantees beyond moving bytes is left out, so the gap between
+per message (glibc's sem_post makes a syscall only when the reader sleeps); readers copy the
+payload out (the unpickler's own copy). By default no spinning (the issue's prototype);
+MQPROTO_YIELD_US=100 polls with sched_yield for up to that long before sem_wait, as
+MessageQueue does (a floor for that design). No liveness checks, no close protocol, no remote
+readers, no overflow, no warnings: everything MessageQueue guarantees beyond moving bytes is left out, so the gap between
 the two is what those guarantees (and our code) cost. vLLM's method names, so
 ../shared/bench/mq_peer_bench.py can run it beside the real queues:
 
@@ -103,7 +105,7 @@ class MessageQueue:
         n, c = self.next, (self.next - 1) % self.chunks
         off = c * self.chunk_bytes
         (length,) = _LEN.unpack_from(self.buf, off)
-        obj = pickle.loads(bytes(self.buf[off + 8:off + 8 + length]))
+        obj = pickle.loads(self.buf[off + 8:off + 8 + length])  # the unpickler copies
         self.words[self.chunks + c * self.n + self.rank] = n
         self.next = n + 1
         return obj
