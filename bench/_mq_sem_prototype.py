@@ -5,9 +5,9 @@ per message (glibc's sem_post makes a syscall only when the reader sleeps); read
 payload out (the unpickler's own copy). By default no spinning (the issue's prototype);
 MQPROTO_YIELD_US=100 polls with sched_yield for up to that long before sem_wait, as
 MessageQueue does (a floor for that design). No liveness checks, no close protocol, no remote
-readers, no overflow, no warnings: everything MessageQueue guarantees beyond moving bytes is left out, so the gap between
-the two is what those guarantees (and our code) cost. vLLM's method names, so
-../shared/bench/mq_peer_bench.py can run it beside the real queues:
+readers, no overflow, no warnings: everything MessageQueue guarantees beyond moving bytes is
+left out, so the gap between the two is what those guarantees (and our code) cost. vLLM's
+method names, so ../shared/bench/mq_peer_bench.py can run it beside the real queues:
 
     PYTHONPATH=$PWD .venv/bin/python ../shared/bench/mq_peer_bench.py \
         --impl bench._mq_sem_prototype --impl shardserve.ipc

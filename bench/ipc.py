@@ -7,8 +7,9 @@ payload size we report median and p99 latency (us), steps/s, the CPU used during
 steps (user+sys of all three processes / wall time, in cores), and, once per transport, the CPU
 each reader burns while blocked in its receive call for IDLE_S seconds. mp.Pipe here is a duplex
 Pipe (a Unix socketpair, whose buffers hold far more than the one-way os.pipe of
-../shared/bench/mq_peer_bench.py): the two agree at 1 and 16 KiB, this one is faster from 256 KiB. All transports stay up and
-are measured in turn, --rounds times, each cell for --seconds; the rounds are pooled.
+../shared/bench/mq_peer_bench.py): the two agree at 1 and 16 KiB, this one is faster from 256 KiB.
+All transports stay up and are measured in turn, --rounds times, each cell for --seconds; the
+rounds are pooled.
 
     .venv/bin/python bench/ipc.py [--rounds 4] [--seconds 0.25]
 """
