@@ -217,7 +217,7 @@ class MessageQueue:
             if ring is not None:
                 self._acquire_chunk(n, deadline)
                 chunk = ring.chunks[ring.chunk_of(n)]
-                enc = self._encoder.encode_into(obj, chunk)
+                enc = self._encoder.encode_into(obj, chunk, lambda: ring.mark_copying(n))
             else:
                 enc = self._encoder.encode_into(obj, None)
             # Remote first: if it times out nothing was published, so the caller may retry.
@@ -322,14 +322,15 @@ class MessageQueue:
     def _poll(self, words: memoryview, idx: int, want: int, start: float) -> bool:
         """Look at the word, yielding the core between looks, for up to the poll window. Skipped
         when the last wait took several windows (a slow peer, e.g. a model step: sleeping costs
-        nothing then and the wake-up is small beside the wait)."""
+        nothing then and the wake-up is small beside the wait); cut short when the writer says
+        it is copying a big message in (see shm_ring.py)."""
         if self._last_wait_s > _POLL_SKIP_FACTOR * self._spin_s:
             return False
-        end = start + self._spin_s
+        end, ring = start + self._spin_s, self._ring
         while True:
             if words[idx] == want:
                 return True
-            if time.perf_counter() >= end:
+            if time.perf_counter() >= end or ring.writer_copying(want):
                 return False
             _yield()
 

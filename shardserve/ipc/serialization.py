@@ -29,7 +29,7 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 INLINE = 1
@@ -64,15 +64,24 @@ class Encoded:
         return [self.main, *self.oob]
 
 
+BIG_COPY = 1 << 20  # a copy this size takes hundreds of microseconds: worth announcing
+
+
 class _ChunkFile:
-    """The pickler's file: appends into a chunk; spills into a BytesIO once the chunk is full."""
+    """The pickler's file: appends into a chunk; spills into a BytesIO once the chunk is full.
+    ``on_big`` is called (once) before the first big copy into the chunk."""
 
-    __slots__ = ("dst", "pos", "limit", "spill")
+    __slots__ = ("dst", "pos", "limit", "spill", "on_big")
 
-    def reset(self, dst: memoryview | None) -> None:
-        self.dst, self.pos = dst, _MAIN_OFF
+    def reset(self, dst: memoryview | None, on_big: Callable[[], None] | None) -> None:
+        self.dst, self.pos, self.on_big = dst, _MAIN_OFF, on_big
         self.limit = 0 if dst is None else dst.nbytes
         self.spill: io.BytesIO | None = None if dst is not None else io.BytesIO()
+
+    def announce(self, nbytes: int) -> None:
+        if nbytes >= BIG_COPY and self.on_big is not None:
+            self.on_big()
+            self.on_big = None
 
     def write(self, b: Any) -> int:
         if type(b) is not bytes:
@@ -83,6 +92,7 @@ class _ChunkFile:
         if self.spill is None:
             end = self.pos + n
             if end <= self.limit:
+                self.announce(n)
                 self.dst[self.pos : end] = b
                 self.pos = end
                 return n
@@ -122,12 +132,14 @@ class Encoder:
         self._pickler.clear_memo()
         return self._pickler
 
-    def encode_into(self, obj: Any, dst: memoryview | None) -> Encoded | None:
+    def encode_into(self, obj: Any, dst: memoryview | None,
+                    on_big: Callable[[], None] | None = None) -> Encoded | None:
         """Pickle ``obj`` into ``dst`` as an INLINE frame and return None; or, when it does not
-        fit (or ``dst`` is None), return its ZMQ frames and leave ``dst``'s frame unwritten."""
+        fit (or ``dst`` is None), return its ZMQ frames and leave ``dst``'s frame unwritten.
+        ``on_big`` is called before a big copy into ``dst`` starts."""
         f, oob = self._file, self._oob
         try:
-            f.reset(dst)
+            f.reset(dst, on_big)
             oob.clear()
             self._plain_pickler().dump(obj)
         except (pickle.PicklingError, AttributeError, TypeError):
@@ -136,25 +148,27 @@ class Encoder:
             import cloudpickle
 
             self._pickler = None  # a failed dump may leave state behind: build a fresh one
-            f.reset(dst)
+            f.reset(dst, on_big)
             oob.clear()
             _pickler(f, self._keep_in_band, cloudpickle.Pickler).dump(obj)
         main_len = f.pos - _MAIN_OFF if f.spill is None else f.spill.tell()
-        if f.spill is None and self._place_oob(dst, main_len):
+        if f.spill is None and self._place_oob(dst, main_len, f):
             return None
         main = f.spill.getbuffer() if f.spill is not None else memoryview(
             bytes(dst[_MAIN_OFF : f.pos]))
         return Encoded(main, list(oob))
 
-    def _place_oob(self, dst: memoryview, main_len: int) -> bool:
+    def _place_oob(self, dst: memoryview, main_len: int, f: _ChunkFile) -> bool:
         """Append the out-of-band buffers after the stream and write the header; False when
         they do not fit."""
         oob, nbuf = self._oob, len(self._oob)
         off = _align(_MAIN_OFF + main_len)
         if nbuf:
             table, off = off, off + _align(8 * nbuf)
-            if off + sum(_align(b.nbytes) for b in oob) > dst.nbytes:
+            total = sum(_align(b.nbytes) for b in oob)
+            if off + total > dst.nbytes:
                 return False
+            f.announce(total)
             _lens_struct(nbuf).pack_into(dst, table, *(b.nbytes for b in oob))
             for b in oob:
                 n = b.nbytes

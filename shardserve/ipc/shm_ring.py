@@ -5,7 +5,8 @@ One POSIX shared-memory file ``/dev/shm/shardserve-mq-<pid>-<random>`` per write
     offset 0            HEADER  (u64 words, padded to 64 B)
     +------------------------------------------------------------------------------+
     | magic | version | n_local | max_chunks | chunk_bytes | writer_pid | writer_start |
-    | writer_closed | writer_sleeping | reader[0]: pid, start, closed, sleeping | ...  |
+    | writer_closed | writer_sleeping | writer_copying | reader[0]: pid, start, closed,  |
+    | sleeping | reader[1]: ... |
     +------------------------------------------------------------------------------+
     meta_off            CHUNK RECORDS  (u32 futex words, one 64 B-padded record per chunk)
     +------------------------------------------------------------------------------+
@@ -41,6 +42,11 @@ between "store flag" and "load sleeping" on both sides: the sleeper's is the fut
 kernel locks the futex bucket before comparing the word), the waker's is a locked instruction
 (``full_fence``). Where ordering is weaker than x86's we always wake. Each message then costs one
 syscall less per reader (a release nobody waits for), and none at all when nobody sleeps.
+
+``writer_copying`` = number of the message the writer is copying in, stored when that copy is
+big (a MiB or more: hundreds of microseconds). A reader polling for that message sleeps instead
+(the publish wakes it): polling through the copy would only burn the cores the copy needs. A
+hint only: a stale value names an older message and matches nothing.
 """
 
 from __future__ import annotations
@@ -61,13 +67,14 @@ from shardserve.ipc.errors import ShmSpaceError
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shardserve-mq-"
 _MAGIC = 0x5348_4152_444D_5131  # "SHARDMQ1"
-_VERSION = 2
+_VERSION = 3
 _GEN_MASK = 0xFFFF_FFFF
 _WEAK_ORDERING = platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386")
 # header word indices (u64)
 _H_MAGIC, _H_VERSION, _H_N_LOCAL, _H_MAX_CHUNKS, _H_CHUNK_BYTES = 0, 1, 2, 3, 4
 _H_WRITER_PID, _H_WRITER_START, _H_WRITER_CLOSED, _H_WRITER_SLEEPING = 5, 6, 7, 8
-_H_READERS = 9  # then 4 words per local reader: pid, start, closed, sleeping
+_H_WRITER_COPYING = 9  # number of a big message the writer is copying in (a hint, see below)
+_H_READERS = 10  # then 4 words per local reader: pid, start, closed, sleeping
 _R_PID, _R_START, _R_CLOSED, _R_SLEEPING = 0, 1, 2, 3
 
 
@@ -229,6 +236,12 @@ class ShmRing:
         self.full_fence()
         if self.hdr[_H_WRITER_SLEEPING]:
             wakeup.futex_wake(self.addr(idx))
+
+    def mark_copying(self, n: int) -> None:
+        self.hdr[_H_WRITER_COPYING] = n & _GEN_MASK
+
+    def writer_copying(self, n: int) -> bool:
+        return self.hdr[_H_WRITER_COPYING] == n & _GEN_MASK
 
     def set_sleeping(self, reader: int | None, sleeping: bool) -> None:
         """Announce that the writer (reader None) or a reader is about to sleep, or woke up."""

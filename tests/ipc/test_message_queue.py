@@ -445,6 +445,50 @@ def test_a_writer_polling_for_a_slot_gets_it_when_released(monkeypatch: Any) -> 
     r.close()
 
 
+def test_a_polling_reader_sleeps_while_the_writer_copies_a_big_message(
+        monkeypatch: Any) -> None:
+    """The writer's copying hint (shm_ring.py) ends a reader's poll at once: it sleeps, and the
+    publish wakes it."""
+    from shardserve.ipc import message_queue
+
+    yields: list[int] = []
+    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    w, r = _local_pair(chunk=4 << 20, chunks=2, spin_us=60e6)  # a poll window of a minute
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
+    t.start()
+    wait_until(lambda: yields, "the reader to poll")
+    w._ring.mark_copying(1)  # what enqueue does before copying a message of a MiB or more
+    wait_until(lambda: r.is_sleeping(0), "the reader to sleep")  # not after a minute
+    payload = os.urandom(3 << 20)
+    w.enqueue(payload)
+    t.join(30)
+    assert got == [payload]
+    w.close()
+    r.close()
+
+
+def test_what_the_pickler_writes_straight_into_a_chunk_comes_back() -> None:
+    """Objects only cloudpickle handles, a stream bigger than a chunk (spilled to the socket),
+    a stream that fits with out-of-band buffers that do not, and the same shapes inline."""
+    w, r = _local_pair(chunk=1 << 16, chunks=2)
+    big_oob = np.arange(1 << 14, dtype=np.int64)  # 128 KiB out of band: over the chunk
+    small_oob = np.arange(1 << 11, dtype=np.int64)  # 16 KiB: fits
+    cases = [lambda x: x + 1, os.urandom(1 << 17), [b"s", big_oob], [b"s", small_oob],
+             {"k": os.urandom(100)}]
+    for obj in cases:
+        w.enqueue(obj, timeout=10)
+        back = r.dequeue(timeout=10)
+        if callable(obj):
+            assert back(41) == 42
+        elif isinstance(obj, list):
+            assert back[0] == b"s" and np.array_equal(back[1], obj[1])
+        else:
+            assert back == obj
+    w.close()
+    r.close()
+
+
 def test_overflow_socket_lives_in_a_private_folder_that_goes_with_the_queue() -> None:
     mq = MessageQueue(1, 1, name="private-sock")
     addr = mq.export_handle().local_addr
