@@ -2,10 +2,9 @@
 
 Local readers (ranks ``0 .. n_local_reader-1``, same host) read from a shared-memory ring
 (shm_ring.py); a waiting side polls its ring word briefly, yielding the core between looks, then
-sleeps on it with a futex (wakeup.py explains the choice); messages larger than a chunk go
-over a ZMQ
-``ipc://`` socket with a marker in the ring. Remote readers (the other ranks) get every message
-over ZMQ ``tcp://``. Every wait is bounded, names whom it waits for, and ends with
+sleeps on it with a futex (wakeup.py explains the choice); messages larger than a chunk go over
+a ZMQ ``ipc://`` socket with a marker in the ring. Remote readers (the other ranks) get every
+message over ZMQ ``tcp://``. Every wait is bounded, names whom it waits for, and ends with
 ``QueueClosed`` within a second when this queue is closed (from any thread) or the other side
 goes away. See shm_ring.py for the layout and the flag protocol.
 """
