@@ -30,7 +30,7 @@ RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
 	tests/executor/test_ray_utils.py
 
 test: lint
-	$(BIN)/python -m pytest -q tests $(addprefix --ignore=,$(RAY_TESTS))
+	$(BIN)/python -m pytest -q --durations=15 tests $(addprefix --ignore=,$(RAY_TESTS))
 	rc=0; for f in $(RAY_TESTS); do $(BIN)/python -m pytest -q $$f || rc=1; done; exit $$rc
 
 bench: $(STAMP)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from shardserve import envs
 from shardserve.distributed.shm_allreduce import map_segment
 from shardserve.ipc.segments import unlink_segment
 from shardserve.ipc.wakeup import futex_wait, futex_wake, poll_window_s
@@ -56,7 +57,7 @@ class ShmPipe:
         raw = torch.frombuffer(self._map, dtype=torch.uint8, offset=header, count=n * slot_bytes)
         self._slots = raw.view(n, slot_bytes)
         self._seq = 0
-        self._spin_s = poll_window_s(None)
+        self._spin_s = poll_window_s(envs.ipc_spin_us())
 
     @staticmethod
     def new_name() -> str:
