@@ -13,6 +13,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from async_cases import run_cases, stop_points  # noqa: E402
 
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A process that ran Ray ends here, after pytest's report, without finalising the
+    interpreter: Ray's core worker keeps native threads after ray.shutdown() and CI saw the
+    process die of SIGSEGV while exiting after every test had passed (ray-project/ray#31145;
+    Ray ends its own workers with os._exit for the same reason, ray-project/ray#18899). Every Ray
+    test already checks that it left no process, placement group or segment behind."""
+    helpers = sys.modules.get("ray_helpers")
+    if helpers is not None and helpers.USED_RAY:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status)
+
 
 def our_children() -> list[psutil.Process]:
     """Live child processes, except multiprocessing's resource tracker (one per interpreter)."""

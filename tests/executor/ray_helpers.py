@@ -21,10 +21,17 @@ from shardserve.executor import ray_utils
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+# Set once this process has run Ray; conftest.py then ends the process without finalising the
+# interpreter (see pytest_unconfigure there).
+USED_RAY = False
+
+
 @contextlib.contextmanager
 def ray_env() -> Iterator[str]:
     """Ray's environment variables and a short temporary directory (unix sockets live in it,
     and their paths are limited to ~107 bytes)."""
+    global USED_RAY
+    USED_RAY = True
     saved = {k: os.environ.get(k) for k in (*_ENV, "RAY_TMPDIR", "PYTHONPATH")}
     tmp = tempfile.mkdtemp(prefix="/tmp/rt")
     os.makedirs(os.path.join(tmp, "ray"))  # RAY_TMPDIR/ray holds the current-cluster address
