@@ -192,13 +192,6 @@ def inline_frames(src: memoryview) -> list[memoryview]:
     return frames
 
 
-def encode(obj: Any, oob_threshold: int) -> Encoded:
-    """One message's ZMQ frames (no ring)."""
-    enc = Encoder(oob_threshold).encode_into(obj, None)
-    assert enc is not None
-    return enc
-
-
 def _pickler(f: Any, callback: Any, cls: type) -> pickle.Pickler:
     p = cls(f, protocol=5, buffer_callback=callback)
     base = getattr(cls, "dispatch_table", None)  # the C Pickler has a descriptor here
@@ -249,10 +242,6 @@ def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...]) -> Any:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def decode(main: Any, oob: list[Any]) -> Any:
-    return pickle.loads(main, buffers=oob)
-
-
 # ---- ring chunk frames --------------------------------------------------------------------
 
 
@@ -266,20 +255,13 @@ def frame_kind(src: memoryview) -> int:
 
 def read_inline(src: memoryview) -> Any:
     """Decode a message from a chunk; nothing returned aliases the chunk."""
-    _, nbuf, main_len = _HDR.unpack_from(src, 0)
-    main = src[_MAIN_OFF : _MAIN_OFF + main_len]
-    oob = []
-    if nbuf:
-        off = _align(_MAIN_OFF + main_len)
-        lens = _lens_struct(nbuf).unpack_from(src, off)
-        off += _align(8 * nbuf)
-        for n in lens:
-            oob.append(bytearray(src[off : off + n]))  # the one copy on the reader side
-            off += _align(n)
+    main, *views = inline_frames(src)
+    oob = [bytearray(v) for v in views]  # the one copy of each buffer on the reader side
     try:
         return pickle.loads(main, buffers=oob)
     finally:
-        main.release()  # the mapping cannot be closed while a view of it is alive
+        for v in (main, *views):
+            v.release()  # the mapping cannot be closed while a view of it is alive
 
 
 def decode_frames(frames: list[Any]) -> Any:
