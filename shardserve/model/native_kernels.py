@@ -41,6 +41,8 @@ from shardserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 _FLAGS = (
@@ -91,7 +93,8 @@ def build_library(
     """Build (or find in the cache) and load the kernels compiled with `arch_flags`.
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
-    `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others."""
+    `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
+    csrc/quant_kernels.c is always compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     return lib
@@ -113,7 +116,8 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    source = source_path.read_bytes()
+    sources = (source_path, QUANT_SOURCE)
+    source = b"".join(p.read_bytes() for p in sources)
     key = hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
     ).hexdigest()[:16]
@@ -125,7 +129,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, str(source_path), "-o", tmp]
+        cmd = [compiler, *flags, *map(str, sources), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -159,6 +163,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32],
         "apply_token_bitmask": [ptr, i64, ptr, ptr, i64, i64, i64, i32],
+        "quant_matmul": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
+        "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
+        "quant_dequantize_fast": [ptr, i32, ptr, i64, i32, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -306,6 +313,11 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
                                  bitmask.data_ptr(), rows.numel(), bitmask.shape[1], v,
                                  torch.get_num_threads())
     _check(rc, "apply_token_bitmask")
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded kernel library (the override inside `using`); RuntimeError without one."""
+    return _lib()
 
 
 def _lib() -> ctypes.CDLL:

@@ -1,0 +1,738 @@
+/*
+ * Matrix products with GGUF-quantized weights, computed from the blocks as the file stores them.
+ * Built with cpu_kernels.c into one library (see native_kernels.py for the build and threads).
+ *
+ * out[b, n] = sum_k x[b, k] * W[n, k] for a weight W [N, K] held as GGML blocks, row by row
+ * (a row of K elements is K / block_elems blocks, `row_bytes` apart).
+ *
+ * How (the scheme llama.cpp uses on CPUs, written afresh here):
+ *   1. x is quantized per 32 elements to int8:  x ~ xd * xq,  xd = max|x| / 127, and the sums
+ *      of xq over each half (16 elements) are kept as xs = xd * sum(xq).
+ *   2. Each weight row is decoded into "sub-blocks" of 32 small integers q with, per half of
+ *      16, a scale s and an offset m:  w = s * q + m  (every GGUF type fits that form exactly:
+ *      Q4_0 m = -8 d; Q4_1 m = min; Q8_0 m = 0 with q signed; Q4_K/Q5_K s = d * sc_j,
+ *      m = -dmin * m_j; Q6_K s = d * sc, m = -32 s).
+ *   3. Per sub-block and row of x:  sum w x = xd * (s . int_dot(q, xq)) + m . xs,
+ *      the int8 dot product running on VNNI (vpdpbusd), AVX2 (vpmaddubsw) or plain C.
+ * A decoded row is reused by every row of x (the batch), so decoding costs once per weight row.
+ *
+ * GGML block layouts (little-endian; f16 = IEEE half):
+ *   Q4_0  18 B / 32:  f16 d | u8 qs[16]      element i: qs[i] & 15, element i+16: qs[i] >> 4
+ *   Q4_1  20 B / 32:  f16 d | f16 m | u8 qs[16]                      (same nibble order)
+ *   Q8_0  34 B / 32:  f16 d | i8 qs[32]
+ *   Q4_K 144 B / 256: f16 d | f16 dmin | u8 scales[12] | u8 qs[128]
+ *         sub-block j (32 elements): nibbles of qs[32 (j/2) ..], low for even j, high for odd;
+ *         6-bit scale sc_j and min m_j packed in `scales` (see scale_min_k4)
+ *   Q5_K 176 B / 256: f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
+ *         as Q4_K plus a fifth bit: bit j of qh[l] for element l of sub-block j
+ *   Q6_K 210 B / 256: u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
+ *         sub-block j = 4 h + k: low 4 bits from ql[64 h + 32 (k & 1) + l] (low nibble for
+ *         k < 2), high 2 bits (qh[32 h + l] >> 2 k) & 3; scales[8 h + 2 k + l / 16]; q - 32
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define QK_SIMD 1
+#else
+#define QK_SIMD 0
+#endif
+
+/* ggml type ids (the GGUF file's numbers). */
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+
+#define QDT_F32 0
+#define QDT_BF16 1
+
+/* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
+#define QPARALLEL_MIN (256 * 1024)
+
+static inline float half_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float q_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t q_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Elements and bytes per block; 0 for a type this file does not handle. */
+static int block_shape(int type, int *elems, int *bytes) {
+    switch (type) {
+    case T_Q4_0: *elems = 32; *bytes = 18; return 1;
+    case T_Q4_1: *elems = 32; *bytes = 20; return 1;
+    case T_Q8_0: *elems = 32; *bytes = 34; return 1;
+    case T_Q4_K: *elems = 256; *bytes = 144; return 1;
+    case T_Q5_K: *elems = 256; *bytes = 176; return 1;
+    case T_Q6_K: *elems = 256; *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the
+ * offset m (w = s * q + m); q is int8 for Q8_0 (`is_signed`), else 0..63 as uint8. */
+typedef struct {
+    uint8_t *q;  /* [K] */
+    float *s;    /* [K / 16] */
+    float *m;    /* [K / 16] */
+} row_t;
+
+static void scale_min_k4(int j, const uint8_t *sc, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *d = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+static void set_halves(row_t *r, int64_t sub, float s, float m) {
+    r->s[2 * sub] = r->s[2 * sub + 1] = s;
+    r->m[2 * sub] = r->m[2 * sub + 1] = m;
+}
+
+#if QK_SIMD
+static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xF)); }
+static inline __m256i high_nibbles(__m256i v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0xF));
+}
+static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+#endif
+
+static void decode_q4(const uint8_t *blk, int64_t sub, row_t *r, int type) {
+    const float d = half_to_f32(blk);
+    const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
+    uint8_t *q = r->q + 32 * sub;
+#if QK_SIMD
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0xF);
+    store32(q, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)));
+#else
+    for (int l = 0; l < 16; l++) {
+        q[l] = qs[l] & 0xF;
+        q[l + 16] = qs[l] >> 4;
+    }
+#endif
+    set_halves(r, sub, d, type == T_Q4_1 ? half_to_f32(blk + 2) : -8.f * d);
+}
+
+static void decode_q8_0(const uint8_t *blk, int64_t sub, row_t *r) {
+    memcpy(r->q + 32 * sub, blk + 2, 32);
+    set_halves(r, sub, half_to_f32(blk), 0.f);
+}
+
+/* The 32 values of Q4_K/Q5_K sub-block j (0..7) into q. */
+static inline void k_quant_values(const uint8_t *qs, const uint8_t *qh, int j, uint8_t *q) {
+#if QK_SIMD
+    const __m256i v = load32(qs + 32 * (j / 2));
+    __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
+    if (qh != NULL) {
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(qh), j), _mm256_set1_epi8(1));
+        vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
+    }
+    store32(q, vals);
+#else
+    const uint8_t *src = qs + 32 * (j / 2);
+    for (int l = 0; l < 32; l++) q[l] = (j & 1) ? src[l] >> 4 : src[l] & 0xF;
+    if (qh != NULL)
+        for (int l = 0; l < 32; l++) q[l] |= ((qh[l] >> j) & 1) << 4;
+#endif
+}
+
+static void decode_q45_k(const uint8_t *blk, int64_t sub0, row_t *r, int type) {
+    const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+    const uint8_t *scales = blk + 4;
+    const uint8_t *qh = type == T_Q5_K ? blk + 16 : NULL;
+    const uint8_t *qs = blk + (type == T_Q5_K ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, mn;
+        scale_min_k4(j, scales, &sc, &mn);
+        k_quant_values(qs, qh, j, r->q + 32 * (sub0 + j));
+        set_halves(r, sub0 + j, d * (float)sc, -dmin * (float)mn);
+    }
+}
+
+static void decode_q6_k(const uint8_t *blk, int64_t sub0, row_t *r) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const float d = half_to_f32(blk + 208);
+    for (int j = 0; j < 8; j++) {
+        const int h = j / 4, k = j % 4;
+        const uint8_t *lo = ql + 64 * h + 32 * (k & 1), *hi = qh + 32 * h;
+        uint8_t *q = r->q + 32 * (sub0 + j);
+#if QK_SIMD
+        const __m256i nib = k < 2 ? low_nibbles(load32(lo)) : high_nibbles(load32(lo));
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load32(hi), 2 * k),
+                                             _mm256_set1_epi8(3));
+        store32(q, _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
+#else
+        for (int l = 0; l < 32; l++) {
+            const uint8_t nib = k < 2 ? lo[l] & 0xF : lo[l] >> 4;
+            q[l] = nib | (((hi[l] >> (2 * k)) & 3) << 4);
+        }
+#endif
+        for (int half = 0; half < 2; half++) {
+            const float s = d * (float)scales[8 * h + 2 * k + half];
+            r->s[2 * (sub0 + j) + half] = s;
+            r->m[2 * (sub0 + j) + half] = -32.f * s;
+        }
+    }
+}
+
+/* Decode one weight row of K elements (K a multiple of the type's block). */
+static void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
+    int elems = 32, bytes = 0;
+    block_shape(type, &elems, &bytes);
+    for (int64_t b = 0; b < K / elems; b++) {
+        const uint8_t *blk = w + b * bytes;
+        const int64_t sub = b * elems / 32;
+        switch (type) {
+        case T_Q4_0:
+        case T_Q4_1: decode_q4(blk, sub, r, type); break;
+        case T_Q8_0: decode_q8_0(blk, sub, r); break;
+        case T_Q4_K:
+        case T_Q5_K: decode_q45_k(blk, sub, r, type); break;
+        default: decode_q6_k(blk, sub, r); break;
+        }
+    }
+}
+
+/* Quantized activations: int8 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
+ * sum xs [B, K/16] (xs = d * sum q over the half). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    float *xs;
+} xquant_t;
+
+static void quantize_x_row(const void *x, int64_t K, int dtype, int8_t *q, float *d, float *xs) {
+    for (int64_t sub = 0; sub < K / 32; sub++) {
+        float v[32], amax = 0.f;
+        for (int l = 0; l < 32; l++) {
+            const int64_t i = 32 * sub + l;
+            v[l] = dtype == QDT_F32 ? ((const float *)x)[i] : q_bf16_to_f32(((const uint16_t *)x)[i]);
+            amax = fmaxf(amax, fabsf(v[l]));
+        }
+        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum[2] = {0, 0};
+        for (int l = 0; l < 32; l++) {
+            const int qi = (int)nearbyintf(v[l] * inv);
+            q[32 * sub + l] = (int8_t)qi;
+            sum[l / 16] += qi;
+        }
+        d[sub] = scale;
+        xs[2 * sub] = scale * (float)sum[0];
+        xs[2 * sub + 1] = scale * (float)sum[1];
+    }
+}
+
+/* sum over the row's halves of m * xs: the offsets' share of the dot product. */
+static inline float offset_dot(const float *m, const float *xs, int64_t halves) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < halves; i++) acc += m[i] * xs[i];
+    return acc;
+}
+
+#if QK_SIMD
+/* int32 lanes: lane i sums the products of bytes 4i..4i+3 (u8 w times s8 x). Without VNNI,
+ * vpmaddubsw's int16 pairs hold: |w| <= 128 (Q8_0 via the sign trick) or w <= 63 times
+ * |x| <= 127, twice, stays below 32767. */
+static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 half_scales(const float *s) {
+    return _mm256_setr_m128(_mm_set1_ps(s[0]), _mm_set1_ps(s[1]));
+}
+
+/* One decoded row with one row of x: two accumulators, so the fmadds of neighbouring
+ * sub-blocks do not wait for each other. */
+static inline float dot_row1_simd(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
+                                  int is_signed) {
+    const int8_t *x = xq->q + b * K;
+    const float *xd = xq->d + b * (K / 32);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t sub = 0;
+    for (; sub + 1 < K / 32; sub += 2) {
+        __m256i w0 = load32(r->q + 32 * sub), w1 = load32(r->q + 32 * sub + 32);
+        __m256i x0 = load32((const uint8_t *)x + 32 * sub);
+        __m256i x1 = load32((const uint8_t *)x + 32 * sub + 32);
+        if (is_signed) {
+            x0 = _mm256_sign_epi8(x0, w0);
+            x1 = _mm256_sign_epi8(x1, w1);
+            w0 = _mm256_sign_epi8(w0, w0);
+            w1 = _mm256_sign_epi8(w1, w1);
+        }
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
+                               _mm256_mul_ps(half_scales(r->s + 2 * sub), _mm256_set1_ps(xd[sub])), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1)),
+                               _mm256_mul_ps(half_scales(r->s + 2 * sub + 2), _mm256_set1_ps(xd[sub + 1])),
+                               acc1);
+    }
+    for (; sub < K / 32; sub++) {
+        __m256i w = load32(r->q + 32 * sub), xv = load32((const uint8_t *)x + 32 * sub);
+        if (is_signed) {
+            xv = _mm256_sign_epi8(xv, w);
+            w = _mm256_sign_epi8(w, w);
+        }
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w, xv)),
+                               _mm256_mul_ps(half_scales(r->s + 2 * sub), _mm256_set1_ps(xd[sub])), acc0);
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1)) + offset_dot(r->m, xq->xs + b * (K / 16), K / 16);
+}
+
+/* Dot products of one decoded row with up to 4 rows of x (nb of them) over K elements. */
+static inline void dot_rows_simd(const row_t *r, const xquant_t *xq, int64_t b0, int nb,
+                                 int64_t K, int is_signed, float *res) {
+    if (nb == 1) {
+        res[0] = dot_row1_simd(r, xq, b0, K, is_signed);
+        return;
+    }
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t sub = 0; sub < K / 32; sub++) {
+        __m256i w = load32(r->q + 32 * sub);
+        const __m256i sign = w;
+        if (is_signed) w = _mm256_sign_epi8(w, w); /* |w|; x takes w's sign below */
+        const __m256 s = half_scales(r->s + 2 * sub);
+        for (int i = 0; i < nb; i++) {
+            const int64_t b = b0 + i;
+            __m256i x = load32((const uint8_t *)(xq->q + b * K + 32 * sub));
+            if (is_signed) x = _mm256_sign_epi8(x, sign);
+            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
+            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xq->d[b * (K / 32) + sub]));
+            acc[i] = _mm256_fmadd_ps(p, sx, acc[i]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        res[i] = hsum8(acc[i]) + offset_dot(r->m, xq->xs + (b0 + i) * (K / 16), K / 16);
+}
+#endif
+
+#if !QK_SIMD
+static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
+                            int is_signed) {
+    const int8_t *x = xq->q + b * K;
+    float acc = 0.f;
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t dot = 0;
+        for (int l = 0; l < 16; l++) {
+            const int32_t w = is_signed ? (int32_t)(int8_t)r->q[16 * h + l] : r->q[16 * h + l];
+            dot += w * (int32_t)x[16 * h + l];
+        }
+        acc += r->s[h] * xq->d[b * (K / 32) + h / 2] * (float)dot;
+    }
+    return acc + offset_dot(r->m, xq->xs + b * (K / 16), K / 16);
+}
+#endif
+
+static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
+    if (out_dtype == QDT_F32)
+        ((float *)out)[idx] = v;
+    else
+        ((uint16_t *)out)[idx] = q_f32_to_bf16(v);
+}
+
+static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
+                        void *out, int64_t out_stride, int64_t n, int out_dtype) {
+    for (int64_t b0 = 0; b0 < B; b0 += 4) {
+        const int nb = B - b0 < 4 ? (int)(B - b0) : 4;
+        float res[4];
+#if QK_SIMD
+        dot_rows_simd(r, xq, b0, nb, K, is_signed, res);
+#else
+        for (int i = 0; i < nb; i++) res[i] = dot_row_scalar(r, xq, b0 + i, K, is_signed);
+#endif
+        for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
+    }
+}
+
+
+#if QK_SIMD
+/*
+ * Small batches (B <= FUSED_MAX_B): each weight row is decoded in registers while it is
+ * multiplied, so a row costs one pass over its blocks and no scratch (the batch-1 decode step
+ * is this path: reading the weights is all it should cost). `TYPE` is a compile-time constant
+ * at every call site, so each type gets its own loop.
+ */
+#define FUSED_MAX_B 4
+static int fused_max_b(void) {
+    const char *v = getenv("QK_FUSED_MAX_B");
+    return v ? atoi(v) : FUSED_MAX_B;
+}
+
+/* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
+ * sub-block scales and offsets (filled by the caller once per block). */
+static inline __attribute__((always_inline)) __m256i fused_sub(
+    int TYPE, const uint8_t *blk, int j, const float *k_s, const float *k_m, float *s, float *m) {
+    if (TYPE == T_Q4_0 || TYPE == T_Q4_1) {
+        const float d = half_to_f32(blk);
+        s[0] = s[1] = d;
+        m[0] = m[1] = TYPE == T_Q4_1 ? half_to_f32(blk + 2) : -8.f * d;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2)));
+        const __m128i m4 = _mm_set1_epi8(0xF);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    if (TYPE == T_Q8_0) {
+        s[0] = s[1] = half_to_f32(blk);
+        m[0] = m[1] = 0.f;
+        return load32(blk + 2);
+    }
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        s[0] = s[1] = k_s[j];
+        m[0] = m[1] = k_m[j];
+        const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
+        const __m256i v = load32(qs + 32 * (j / 2));
+        __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
+        if (TYPE == T_Q5_K) {
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 16), j),
+                                                 _mm256_set1_epi8(1));
+            vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
+        }
+        return vals;
+    }
+    /* Q6_K */
+    const int h = j / 4, k = j % 4;
+    s[0] = k_s[2 * j];
+    s[1] = k_s[2 * j + 1];
+    m[0] = -32.f * s[0];
+    m[1] = -32.f * s[1];
+    const __m256i lo = load32(blk + 64 * h + 32 * (k & 1));
+    const __m256i nib = k < 2 ? low_nibbles(lo) : high_nibbles(lo);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 128 + 32 * h), 2 * k),
+                                         _mm256_set1_epi8(3));
+    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+}
+
+/* A K-quant block's sub-block scales (8 for Q4_K/Q5_K, 16 half-scales for Q6_K). */
+static inline __attribute__((always_inline)) void fused_block_scales(
+    int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            k_s[j] = d * (float)sc;
+            k_m[j] = -dmin * (float)mn;
+        }
+    } else if (TYPE == T_Q6_K) {
+        const float d = half_to_f32(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        /* sub-block j = 4 h + k uses scales[8 h + 2 k + half] */
+        for (int j = 0; j < 8; j++)
+            for (int half = 0; half < 2; half++)
+                k_s[2 * j + half] = d * (float)sc[8 * (j / 4) + 2 * (j % 4) + half];
+    }
+}
+
+static inline __attribute__((always_inline)) void fused_row(
+    int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
+    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
+                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
+    /* NB is a constant at each call: the accumulators stay in registers. */
+    __m256 acc[FUSED_MAX_B];
+    float macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) {
+        acc[i] = _mm256_setzero_ps();
+        macc[i] = 0.f;
+    }
+    float k_s[16], k_m[8];
+    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
+        const uint8_t *blk = row + blk_i * bytes;
+        fused_block_scales(TYPE, blk, k_s, k_m);
+        for (int j = 0; j < elems / 32; j++) {
+            const int64_t sub = blk_i * (elems / 32) + j;
+            float s[2], m[2];
+            __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
+            const __m256i sign = w;
+            if (TYPE == T_Q8_0) w = _mm256_sign_epi8(w, w);
+            for (int i = 0; i < NB; i++) {
+                const int64_t b = b0 + i;
+                __m256i x = load32((const uint8_t *)(xq->q + b * K + 32 * sub));
+                if (TYPE == T_Q8_0) x = _mm256_sign_epi8(x, sign);
+                const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
+                const float xd = xq->d[b * (K / 32) + sub];
+                const float *xs = xq->xs + b * (K / 16) + 2 * sub;
+                if (TYPE == T_Q6_K) {
+                    const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[0] * xd), _mm_set1_ps(s[1] * xd));
+                    acc[i] = _mm256_fmadd_ps(p, sv, acc[i]);
+                    macc[i] += m[0] * xs[0] + m[1] * xs[1];
+                } else {
+                    acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(s[0] * xd), acc[i]);
+                    if (TYPE != T_Q8_0) macc[i] += m[0] * (xs[0] + xs[1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++) res[i] = hsum8(acc[i]) + macc[i];
+}
+
+#define FUSED_NB(T, NB)                                                                \
+    case NB:                                                                           \
+        fused_row(T, NB, row, xq, b0, K, res);                                         \
+        break;
+
+#define FUSED_CASE(T)                                                                  \
+    case T:                                                                            \
+        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {                              \
+            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;         \
+            float res[FUSED_MAX_B] = {0};                                                  \
+            switch (nb) { FUSED_NB(T, 1) FUSED_NB(T, 2) FUSED_NB(T, 3) FUSED_NB(T, 4) } \
+            for (int i = 0; i < nb; i++)                                               \
+                store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);          \
+        }                                                                              \
+        break;
+
+static void fused_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                       int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                       int out_dtype, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        switch (type) {
+            FUSED_CASE(T_Q4_0)
+            FUSED_CASE(T_Q4_1)
+            FUSED_CASE(T_Q8_0)
+            FUSED_CASE(T_Q4_K)
+            FUSED_CASE(T_Q5_K)
+            FUSED_CASE(T_Q6_K)
+        default: break;
+        }
+    }
+}
+
+/* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
+static inline __m128i f32x8_to_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* One weight row of K elements as float32 / bfloat16 (s * q + m in one fused rounding). */
+static inline __attribute__((always_inline)) void fast_dequant_row(
+    int TYPE, const uint8_t *row, int64_t K, void *out, int out_dtype) {
+    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
+                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
+    float k_s[16], k_m[8];
+    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
+        const uint8_t *blk = row + blk_i * bytes;
+        fused_block_scales(TYPE, blk, k_s, k_m);
+        for (int j = 0; j < elems / 32; j++) {
+            const int64_t base = (blk_i * (elems / 32) + j) * 32;
+            float s[2], m[2];
+            const __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
+            for (int g = 0; g < 4; g++) {
+                const __m128i part = g < 2 ? _mm256_castsi256_si128(w) : _mm256_extracti128_si256(w, 1);
+                const __m128i bytes8 = (g & 1) ? _mm_srli_si128(part, 8) : part;
+                const __m256i ints = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi32(bytes8)
+                                                    : _mm256_cvtepu8_epi32(bytes8);
+                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s[g / 2]),
+                                                 _mm256_set1_ps(m[g / 2]));
+                if (out_dtype == QDT_F32)
+                    _mm256_storeu_ps((float *)out + base + 8 * g, v);
+                else
+                    _mm_storeu_si128((__m128i *)((uint16_t *)out + base + 8 * g), f32x8_to_bf16(v));
+            }
+        }
+    }
+}
+
+#define DEQUANT_CASE(T)                                                                \
+    case T:                                                                            \
+        fast_dequant_row(T, w + n * row_bytes, K, (char *)out + n * K * esize, out_dtype); \
+        break;
+#endif
+
+/*
+ * out [N, K] = W as float32 / bfloat16 for a batched product (the caller multiplies with a
+ * dense kernel): fast, not bit-exact (s * q + m rounds once). Needs AVX2; returns -2 without it.
+ */
+int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t row_bytes,
+                          int type, int64_t N, int64_t K, int num_threads) {
+    int elems, bytes;
+    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
+        return -2;
+#if QK_SIMD
+    const size_t esize = out_dtype == QDT_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(N * K >= QPARALLEL_MIN ? num_threads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        switch (type) {
+            DEQUANT_CASE(T_Q4_0)
+            DEQUANT_CASE(T_Q4_1)
+            DEQUANT_CASE(T_Q8_0)
+            DEQUANT_CASE(T_Q4_K)
+            DEQUANT_CASE(T_Q5_K)
+            DEQUANT_CASE(T_Q6_K)
+        default: break;
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)out_dtype; (void)w; (void)N; (void)num_threads;
+    return -2;
+#endif
+}
+
+static void free_rows(row_t *rows, int threads) {
+    for (int t = 0; t < threads; t++) {
+        free(rows[t].q);
+        free(rows[t].s);
+        free(rows[t].m);
+    }
+    free(rows);
+}
+
+/* One decoded-row scratch per thread; NULL when out of memory. */
+static row_t *alloc_rows(int threads, int64_t K) {
+    row_t *rows = calloc((size_t)threads, sizeof(row_t));
+    if (rows == NULL) return NULL;
+    int ok = 1;
+    for (int t = 0; t < threads; t++) {
+        rows[t].q = malloc((size_t)K);
+        rows[t].s = malloc(sizeof(float) * (size_t)(K / 16));
+        rows[t].m = malloc(sizeof(float) * (size_t)(K / 16));
+        ok = ok && rows[t].q && rows[t].s && rows[t].m;
+    }
+    if (ok) return rows;
+    free_rows(rows, threads);
+    return NULL;
+}
+
+/*
+ * out[b * out_stride + n] = sum_k x[b * x_stride + k] * W[n, k] for b < B, n < N.
+ * w: N rows of K elements of ggml `type`, row_bytes apart. x: dtype (0 f32, 1 bf16) rows;
+ * out: out_dtype rows. Returns 0, -1 when out of memory, -2 for a type or K it cannot handle.
+ */
+int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
+                 int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
+                 int64_t K, int num_threads) {
+    int elems, bytes;
+    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
+        return -2;
+    xquant_t xq = {malloc((size_t)(B * K)), malloc(sizeof(float) * (size_t)(B * (K / 32))),
+                   malloc(sizeof(float) * (size_t)(B * (K / 16)))};
+    int rc = 0;
+    if (!xq.q || !xq.d || !xq.xs) {
+        rc = -1;
+        goto done;
+    }
+    const size_t esize = dtype == QDT_F32 ? 4 : 2;
+    for (int64_t b = 0; b < B; b++)
+        quantize_x_row((const char *)x + (size_t)(b * x_stride) * esize, K, dtype, xq.q + b * K,
+                       xq.d + b * (K / 32), xq.xs + b * (K / 16));
+    const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
+#if QK_SIMD
+    if (B <= fused_max_b()) {
+        fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
+        goto done;
+    }
+#endif
+    const int is_signed = type == T_Q8_0;
+    row_t *rows = alloc_rows(threads, K);
+    if (rows == NULL) {
+        rc = -1;
+        goto done;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        row_t *r = rows + omp_get_thread_num();
+        decode_row(w + n * row_bytes, K, type, r);
+        row_times_x(r, &xq, B, K, is_signed, out, out_stride, n, out_dtype);
+    }
+    free_rows(rows, threads);
+done:
+    free(xq.q);
+    free(xq.d);
+    free(xq.xs);
+    return rc;
+}
+
+/*
+ * out[i, :] = dequantized row ids[i] of W (the embedding lookup of a quantized table), as
+ * w = s * (q + qoff) + m' per half, the order in which the gguf package dequantizes, so the
+ * result equals its float32 values. Returns like quant_matmul.
+ */
+int quant_dequantize_rows(void *out, int out_dtype, const uint8_t *w, int64_t row_bytes,
+                          int type, const int64_t *ids, int64_t n_ids, int64_t K,
+                          int num_threads) {
+    int elems, bytes;
+    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
+        return -2;
+    const int is_signed = type == T_Q8_0;
+    /* Q4_0 and Q6_K keep their -8 / -32 on the integer, as the reference does. */
+    const int qoff = type == T_Q4_0 ? -8 : type == T_Q6_K ? -32 : 0;
+    const int threads = n_ids * K >= QPARALLEL_MIN ? num_threads : 1;
+    row_t *rows = alloc_rows(threads, K);
+    if (rows == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_ids; i++) {
+        row_t *r = rows + omp_get_thread_num();
+        decode_row(w + ids[i] * row_bytes, K, type, r);
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t q = is_signed ? (int32_t)(int8_t)r->q[k] : r->q[k];
+            const float m = qoff ? 0.f : r->m[k / 16];
+            store_out(out, i * K + k, r->s[k / 16] * (float)(q + qoff) + m, out_dtype);
+        }
+    }
+    free_rows(rows, threads);
+    return 0;
+}

@@ -1,0 +1,233 @@
+"""Weights kept quantized: a GGUF file's blocks as stored (`quantization="gguf"`) or int8 per
+output channel (`quantization="int8"`), and the matrix products computed from them by
+csrc/quant_kernels.c (its header explains the scheme and the block layouts).
+
+A `QuantizedTensor` is a [rows, cols] matrix as GGML blocks: `data` is uint8 [rows, row_bytes],
+each row cols / block_elems blocks. Rows are independent, so tensor parallelism's output split
+and the Q/K row permutations move whole byte rows; an input split moves whole blocks and is
+refused where it would cut one. int8 weights use the Q8_0 layout (32 int8 and an fp16 scale
+per block) with one scale per row, so one kernel serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from shardserve.model import native_kernels
+
+# ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+Q8_0 = 8
+_OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# From this many rows of x on, a product dequantizes the weight to x's dtype (into a reused
+# buffer) and runs the dense kernel: the int8 path pays a float scale per 32 weights and row of
+# x, which the dense GEMM does not (measured on AVX-512: the fused int8 kernel wins up to 3 rows).
+DENSE_MIN_ROWS = 4
+_ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    data: torch.Tensor  # uint8 [rows, row_bytes], contiguous
+    ggml_type: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        name, elems, nbytes = GGML_TYPES[self.ggml_type]
+        if self.cols % elems or self.data.shape[-1] != self.cols // elems * nbytes:
+            raise ValueError(f"{name}: {self.data.shape[-1]} bytes per row do not hold "
+                             f"{self.cols} elements")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES[self.ggml_type][0]
+
+    @property
+    def block_elems(self) -> int:
+        return GGML_TYPES[self.ggml_type][1]
+
+    def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
+        return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
+                               self.cols)
+
+    def index_rows(self, rows: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols)
+
+    def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
+        """Columns [start, start + length): whole blocks only (a tensor-parallel input split)."""
+        _, elems, nbytes = GGML_TYPES[self.ggml_type]
+        if start % elems or length % elems:
+            raise ValueError(
+                f"a {self.type_name} weight with {self.cols} input columns cannot be split at "
+                f"columns [{start}, {start + length}): its blocks hold {elems} columns and a "
+                f"shard may not cut one; choose a tensor-parallel size whose input shards are "
+                f"multiples of {elems}, or load with quantization='none'"
+            )
+        data = self.data.narrow(1, start // elems * nbytes, length // elems * nbytes)
+        return QuantizedTensor(data.contiguous(), self.ggml_type, length)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        ids = torch.arange(self.data.shape[0])
+        return dequantize_rows(self, ids, dtype)
+
+
+def is_kept_type(ggml_type: int) -> bool:
+    """Whether tensors of this ggml type can stay quantized."""
+    return ggml_type in GGML_TYPES
+
+
+def available() -> bool:
+    """Whether the quantized kernels can run here (the native library builds and loads)."""
+    return native_kernels.supports(torch.float32, torch.device("cpu"))
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor | None:
+    """Per-output-channel int8 of a [rows, cols] float weight (one fp16 scale per row, stored as
+    Q8_0 blocks); None where cols is not a multiple of 32 or a scale overflows fp16."""
+    rows, cols = weight.shape
+    if cols % 32:
+        return None
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).half()
+    if not torch.isfinite(scale).all():
+        return None
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale.float()).clamp_(-127, 127).to(torch.int8)
+    blocks = q.view(rows, cols // 32, 32).view(torch.uint8)
+    scales = scale.view(torch.uint8).view(rows, 1, 2).expand(rows, cols // 32, 2)
+    data = torch.cat([scales, blocks], dim=2).reshape(rows, cols // 32 * 34)
+    return QuantizedTensor(data.contiguous(), Q8_0, cols)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise RuntimeError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def matmul_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
+    """out[:, :] = x @ W.T for x [B, K] (float32 or bfloat16, unit column stride) and a
+    quantized W [N, K]; out is a [B, N] view with unit column stride (a column range of a
+    wider output is fine)."""
+    b, k = x.shape
+    if k != w.cols or out.shape != (b, w.shape[0]) or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"quantized matmul shapes: x {tuple(x.shape)}, W {w.shape}, "
+                         f"out {tuple(out.shape)}")
+    rc = native_kernels.lib().quant_matmul(
+        out.data_ptr(), out.stride(0), _OUT_DTYPES[out.dtype], x.data_ptr(), x.stride(0),
+        _OUT_DTYPES[x.dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type, b,
+        w.shape[0], k, _threads(),
+    )
+    _check(rc, f"quant_matmul ({w.type_name})")
+
+
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def dequantize_fast(w: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """W as a [rows, cols] `dtype` view of a buffer reused by the next call (so use it before
+    dequantizing another weight); None where the CPU lacks AVX2 (the int8 path then runs)."""
+    numel = w.shape[0] * w.cols
+    buf = _scratch.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[dtype] = torch.empty(numel, dtype=dtype)
+    out = buf[:numel].view(w.shape)
+    rc = native_kernels.lib().quant_dequantize_fast(
+        out.data_ptr(), _OUT_DTYPES[dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type,
+        w.shape[0], w.cols, _threads(),
+    )
+    return None if rc == -2 else out
+
+
+def dequantize_rows(w: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (int64) of W as `dtype` [len(ids), cols]: the embedding lookup of a quantized
+    table. float32 results equal the gguf package's dequantization."""
+    ids = ids.contiguous()
+    if ids.dtype != torch.int64:
+        raise ValueError(f"ids must be int64, got {ids.dtype}")
+    out_dtype = dtype if dtype in _OUT_DTYPES else torch.float32
+    out = torch.empty(ids.numel(), w.cols, dtype=out_dtype)
+    rc = native_kernels.lib().quant_dequantize_rows(
+        out.data_ptr(), _OUT_DTYPES[out_dtype], w.data.data_ptr(), w.data.stride(0),
+        w.ggml_type, ids.data_ptr(), ids.numel(), w.cols, _threads(),
+    )
+    _check(rc, f"quant_dequantize_rows ({w.type_name})")
+    return out if out_dtype == dtype else out.to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A layer's weight as quantized row ranges (a fused q/k/v may hold a different type per
+    piece, as Q4_K_M files do): (first output row, QuantizedTensor) in row order, covering all
+    `rows` output rows."""
+
+    segments: tuple[tuple[int, QuantizedTensor], ...]
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_pieces(cls, pieces: dict[int, QuantizedTensor], rows: int) -> QuantWeight:
+        """Join pieces that follow each other with the same type into one segment."""
+        merged: list[tuple[int, QuantizedTensor]] = []
+        for offset in sorted(pieces):
+            piece = pieces[offset]
+            if merged and merged[-1][1].ggml_type == piece.ggml_type and \
+                    merged[-1][0] + merged[-1][1].shape[0] == offset:
+                start, prev = merged[-1]
+                merged[-1] = (start, QuantizedTensor(torch.cat([prev.data, piece.data]),
+                                                     piece.ggml_type, piece.cols))
+            else:
+                merged.append((offset, piece))
+        return cls(tuple(merged), rows, merged[0][1].cols)
+
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] @ W.T -> [..., N] in out_dtype (default x's dtype)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype not in _OUT_DTYPES or x2.stride(-1) != 1:
+            x2 = x2.float().contiguous()
+        dtype = out_dtype or x.dtype
+        out = torch.empty(x2.shape[0], self.rows,
+                          dtype=dtype if dtype in _OUT_DTYPES else torch.float32)
+        for offset, seg in self.segments:
+            dst = out.narrow(1, offset, seg.shape[0])
+            dense = dequantize_fast(seg, x2.dtype) if x2.shape[0] >= DENSE_MIN_ROWS else None
+            if dense is None:
+                matmul_into(dst, x2, seg)
+            elif len(self.segments) == 1 and out.dtype == x2.dtype:
+                torch.mm(x2, dense.t(), out=out)
+            else:
+                dst.copy_(F.linear(x2, dense))
+        out = out if out.dtype == dtype else out.to(dtype)
+        return out.view(*lead, self.rows)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([seg.dequantize(dtype) for _, seg in self.segments])
+
+    def nbytes(self) -> int:
+        return sum(seg.data.numel() for _, seg in self.segments)
+
+
+def raw_rows(raw: np.ndarray, rows: int) -> torch.Tensor:
+    """A GGUF tensor's bytes as a writable uint8 [rows, row_bytes] tensor (copied out of the
+    read-only file map)."""
+    return torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(rows, -1))
+

@@ -1,0 +1,148 @@
+"""The quantized-weight kernels (csrc/quant_kernels.c) against the gguf package's own
+dequantization, on random blocks of every kept GGUF type.
+
+Oracle: `gguf.quants.dequantize` (numpy, llama.cpp's reference written again in Python), then a
+float64 matmul. What each path must meet:
+- the embedding lookup (`dequantize_rows`) equals the gguf values bit for bit;
+- the int8 path (1-3 rows of x) quantizes x per 32 values to int8, so it is compared with the
+  reference on an x that int8 represents exactly (each block an integer vector times a power of
+  two, holding +-127): there it must agree to float32 rounding (relative 1e-5 of the largest
+  output); on a random x the activation rounding adds at most ~1% of the largest output (2e-2
+  asserted);
+- from DENSE_MIN_ROWS rows on the weight is dequantized and multiplied densely: float32 agrees
+  to 1e-5, bfloat16 to 1e-2.
+Each is run on the native build and on the AVX2 (x86-64-v3) and portable (x86-64-v2) builds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from shardserve.model import native_kernels as nk
+from shardserve.model import quantization as q
+
+pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
+
+# Byte offsets of each type's fp16 scale fields inside a block (random bytes there could be
+# inf/NaN; the rest of a block is any bytes at all).
+_HALF_FIELDS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+TYPES = sorted(q.GGML_TYPES)
+ARCHES = {"native": nk.NATIVE_ARCH, "avx2": ("-march=x86-64-v3",), "portable": nk.PORTABLE_ARCH}
+
+
+def random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> q.QuantizedTensor:
+    rng = np.random.default_rng(seed)
+    _, elems, nbytes = q.GGML_TYPES[ggml_type]
+    data = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
+    for off in _HALF_FIELDS[ggml_type]:
+        halves = (rng.standard_normal((rows, cols // elems)) * 0.01).astype(np.float16)
+        data[:, :, off : off + 2] = halves.view(np.uint8).reshape(rows, cols // elems, 2)
+    return q.QuantizedTensor(torch.from_numpy(data.reshape(rows, -1).copy()), ggml_type, cols)
+
+
+def reference(w: q.QuantizedTensor) -> torch.Tensor:
+    values = dequantize(w.data.numpy(), GGMLQuantizationType(w.ggml_type))
+    return torch.from_numpy(values.astype(np.float32)).reshape(w.shape)
+
+
+def int8_exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x whose per-32 int8 quantization is exact: integers in [-127, 127] (one of them +-127
+    per block) times a power of two per block."""
+    g = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
+    ints[:, :, 0] = 127 * (1 - 2 * torch.randint(0, 2, (rows, cols // 32), generator=g))
+    scale = 2.0 ** torch.randint(-6, 2, (rows, cols // 32, 1), generator=g).float()
+    return (ints.float() * scale).reshape(rows, cols)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=list(ARCHES))
+def kernels(request):
+    with nk.using(nk.build_library(ARCHES[request.param])):
+        yield request.param
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+def test_dequantized_rows_equal_the_gguf_package(kernels, ggml_type):
+    w = random_blocks(ggml_type, 40, 512, seed=ggml_type)
+    ref = reference(w)
+    assert torch.equal(w.dequantize(torch.float32), ref)
+    ids = torch.tensor([39, 0, 7, 7], dtype=torch.int64)
+    assert torch.equal(q.dequantize_rows(w, ids, torch.float32), ref[ids])
+    assert torch.equal(q.dequantize_rows(w, ids, torch.bfloat16), ref[ids].bfloat16())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_int8_path_is_exact_where_int8_holds_x(kernels, ggml_type, rows):
+    w = random_blocks(ggml_type, 72, 512, seed=ggml_type + rows)
+    x = int8_exact_x(rows, 512, seed=rows)
+    got = q.QuantWeight.from_pieces({0: w}, 72).matmul(x)
+    assert rel_err(got, x.double() @ reference(w).double().T) < 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 3, q.DENSE_MIN_ROWS, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype):
+    w = random_blocks(ggml_type, 48, 512, seed=100 + ggml_type)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = q.QuantWeight.from_pieces({0: w}, 48).matmul(x)
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    want = x.double() @ reference(w).double().T
+    dense = rows >= q.DENSE_MIN_ROWS and kernels != "portable"
+    limit = (1e-5 if dtype == torch.float32 else 1e-2) if dense else 2e-2
+    assert rel_err(got, want) < limit
+
+
+def test_segments_of_different_types_fill_their_columns(kernels):
+    """A fused q/k/v whose pieces hold different types (Q4_K_M files do) and a float32 output
+    of bfloat16 input (the LM head's logits)."""
+    a, b = random_blocks(12, 64, 512, seed=1), random_blocks(14, 32, 512, seed=2)
+    weight = q.QuantWeight.from_pieces({64: b, 0: a}, 96)
+    assert [off for off, _ in weight.segments] == [0, 64]
+    x = int8_exact_x(2, 512, seed=3)
+    want = x.double() @ torch.cat([reference(a), reference(b)]).double().T
+    assert rel_err(weight.matmul(x), want) < 1e-5
+    logits = weight.matmul(x.bfloat16(), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and rel_err(logits, want) < 2e-2
+
+
+def test_same_type_pieces_merge_into_one_segment():
+    a, b = random_blocks(3, 8, 64, seed=1), random_blocks(3, 4, 64, seed=2)
+    weight = q.QuantWeight.from_pieces({0: a, 8: b}, 12)
+    assert len(weight.segments) == 1
+    assert torch.equal(weight.dequantize(torch.float32),
+                       torch.cat([reference(a), reference(b)]))
+
+
+def test_column_split_keeps_whole_blocks_and_refuses_to_cut_one():
+    w = random_blocks(12, 8, 1024, seed=5)  # Q4_K: 256 columns a block
+    assert torch.equal(w.narrow_cols(256, 512).dequantize(), reference(w)[:, 256:768])
+    assert torch.equal(w.narrow_rows(2, 3).dequantize(), reference(w)[2:5])
+    with pytest.raises(ValueError, match=r"Q4_K .*cannot be split.*multiples of 256"):
+        w.narrow_cols(0, 384)
+
+
+def test_int8_per_channel_quantization():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=g) * torch.linspace(0.01, 2, 24).unsqueeze(1)
+    qt = q.quantize_int8(w)
+    assert qt is not None and qt.type_name == "Q8_0"
+    deq = qt.dequantize()
+    step = (w.abs().amax(dim=1, keepdim=True) / 127)
+    assert ((deq - w).abs() <= step * 0.51 + 1e-6).all()  # half a step (fp16 scale rounding)
+    # one scale per row: every block of a row holds the same fp16 scale
+    scales = qt.data.view(24, 3, 34)[:, :, :2]
+    assert (scales == scales[:, :1]).all()
+    x = int8_exact_x(2, 96, seed=1)
+    got = q.QuantWeight.from_pieces({0: qt}, 24).matmul(x)
+    assert rel_err(got, x.double() @ deq.double().T) < 1e-5
+    assert q.quantize_int8(torch.randn(4, 40)) is None  # 40 columns: not whole blocks
