@@ -45,6 +45,9 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+QUANTIZATIONS = ("auto", "gguf", "int8", "none")
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -98,6 +101,11 @@ class ModelConfig:
     modes are refused)."""
     enforce_eager: bool = False
     """vLLM's switch off CUDA graphs: shardserve runs eagerly always, so it changes nothing."""
+    quantization: str = "auto"
+    """gguf: compute with a GGUF file's quantized blocks as stored (Q4_0, Q4_1, Q8_0, Q4_K,
+    Q5_K, Q6_K; other types are dequantized); int8: quantize the decoder's linear weights per
+    output channel at load; none: dequantize everything to dtype. auto: gguf for a quantized
+    GGUF file when dtype is auto, else none. CPU only. Resolved to the chosen one at init."""
     device: str = "cpu"
     path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
@@ -112,6 +120,7 @@ class ModelConfig:
         object.__setattr__(self, "tokenizer_path", tok)
         object.__setattr__(self, "arch", read_arch(path))
         resolve_dtype(self.dtype, self.device)  # validates the name
+        object.__setattr__(self, "quantization", self._resolve_quantization(path))
         max_pos = self.arch.max_position_embeddings
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", max_pos)
@@ -128,6 +137,24 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.device)
+
+    def _resolve_quantization(self, path: Path) -> str:
+        from shardserve.model.gguf_loader import has_kept_quantized_weights
+
+        choice = self.quantization
+        _check(choice in QUANTIZATIONS,
+               f"quantization={choice!r} is not supported; choose one of: "
+               f"{', '.join(QUANTIZATIONS)}")
+        is_gguf = path.is_file()
+        if choice == "auto":
+            quantized = is_gguf and self.dtype == "auto" and self.device != "cuda"
+            return "gguf" if quantized and has_kept_quantized_weights(path) else "none"
+        _check(choice != "gguf" or is_gguf,
+               f"quantization='gguf' needs a .gguf model file, got the folder {str(path)!r}; "
+               f"use quantization='int8' to quantize its weights at load, or 'none'")
+        _check(choice == "none" or self.device != "cuda",
+               f"quantization={choice!r} runs on CPUs only; use quantization='none' on cuda")
+        return choice
 
 
 @dataclass(frozen=True)

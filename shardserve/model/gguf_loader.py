@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from shardserve.model.quantization import QuantizedTensor, is_kept_type, raw_rows
 
 # GGUF general.architecture -> the HF class whose parameter layout the file holds.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -219,6 +220,12 @@ def gguf_arch(path: Path) -> ModelArch:
     )
 
 
+def has_kept_quantized_weights(path: Path) -> bool:
+    """Whether any matrix in the file is of a type the quantized kernels compute with."""
+    gf, _ = read_gguf(path)
+    return any(len(t.shape) == 2 and is_kept_type(t.ggml_type) for t in gf.tensors)
+
+
 def _embedding_rows(gf: GGUFFile) -> int:
     return next(t.shape[0] for t in gf.tensors if t.name == "token_embd.weight")
 
@@ -277,11 +284,14 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch) -> Callable[[TensorInfo], Any]:
+def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch, keep_quantized: bool
+                   ) -> Callable[[TensorInfo], Any]:
     permute = gf.metadata.get("general.architecture") == "llama"
 
-    def load(t: TensorInfo) -> torch.Tensor:
+    def load(t: TensorInfo) -> torch.Tensor | QuantizedTensor:
         raw = np.frombuffer(buf, dtype=np.uint8, count=_nbytes(t), offset=t.offset)
+        if keep_quantized and len(t.shape) == 2 and is_kept_type(t.ggml_type):
+            return _quantized(t, raw)
         qtype = GGMLQuantizationType(t.ggml_type)
         try:
             values = dequantize(raw.reshape(*t.shape[:-1], -1), qtype)
@@ -296,13 +306,23 @@ def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch) -> Callable[[T
             values = values.astype(np.float32)  # F32 tensors come back as views of the mmap
         return torch.from_numpy(np.ascontiguousarray(values))
 
+    def _quantized(t: TensorInfo, raw: np.ndarray) -> QuantizedTensor:
+        # Rows are whole blocks, so the Q/K row permutation moves byte rows as it moves values.
+        rows = raw.reshape(t.shape[0], -1)
+        if permute and ".attn_q." in t.name:
+            rows = unpermute_rope_rows(rows, arch.num_heads)
+        elif permute and ".attn_k." in t.name:
+            rows = unpermute_rope_rows(rows, arch.num_kv_heads)
+        return QuantizedTensor(raw_rows(rows, t.shape[0]), t.ggml_type, t.shape[1])
+
     return load
 
 
 def iter_gguf_weights(
-    path: Path, workers: int = 2, window: int = 8
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) pairs in file order.
+    path: Path, workers: int = 2, window: int = 8, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF name, float32 tensor) pairs in file order; with `keep_quantized`, 2-D tensors of a
+    type the quantized kernels take come as QuantizedTensor blocks instead.
 
     numpy's ufuncs release the GIL, so a small thread pool dequantizes ahead of the consumer;
     `window` bounds how many finished tensors can wait in memory.
@@ -310,9 +330,9 @@ def iter_gguf_weights(
     gf, buf = read_gguf(path)
     arch = gguf_arch(path)
     wanted = [(n, t) for t in gf.tensors if (n := hf_name(t.name)) is not None]
-    load = _tensor_loader(gf, buf, arch)
+    load = _tensor_loader(gf, buf, arch, keep_quantized)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: deque[tuple[str, Future[torch.Tensor]]] = deque()
+        pending: deque[tuple[str, Future[torch.Tensor | QuantizedTensor]]] = deque()
         todo = iter(wanted)
         for name, t in todo:
             pending.append((name, pool.submit(load, t)))

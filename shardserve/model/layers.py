@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import native_kernels
+from shardserve.model import native_kernels, quantization
+from shardserve.model.quantization import QuantizedTensor, QuantWeight
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
 
@@ -90,29 +91,42 @@ def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class MatmulLayer(nn.Module):
-    """A layer computing x @ weight.T, optionally from a prepacked copy of the weight.
+    """A layer computing x @ weight.T, from a prepacked copy of the weight or a quantized one.
 
     After `pack_weight()` the packed copy is the source of truth and (unless keep_dense) the
     parameter becomes a stride-0 placeholder with the right shape, so no memory is doubled.
     `unpack_weight()` restores the dense parameter (done before any reload).
+
+    Quantized (see quantization.py): a GGUF loader hands over QuantizedTensor pieces, collected
+    by `load_quantized` and turned into `qweight` by `finalize_quantized`; `quantize_int8`
+    quantizes the loaded dense weight. Either way the dense parameter becomes a placeholder.
     """
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    qweight: QuantWeight | None = None
     _dense_dropped: bool = False
 
     def pack_weight(self, keep_dense: bool = False) -> None:
+        if self.qweight is not None:
+            return
         self.unpack_weight()
         packed = _mkldnn_pack(self.weight.data)
         if packed is None:
             return
         self.packed = packed
         if not keep_dense:
-            w = self.weight.data
-            self.weight.data = torch.empty(1, dtype=w.dtype).as_strided(w.shape, (0,) * w.dim())
-            self._dense_dropped = True
+            self._drop_dense()
+
+    def _drop_dense(self) -> None:
+        w = self.weight.data
+        self.weight.data = torch.empty(1, dtype=w.dtype).as_strided(w.shape, (0,) * w.dim())
+        self._dense_dropped = True
 
     def unpack_weight(self) -> None:
+        if self.qweight is not None:
+            self.weight.data = torch.empty(self.weight.shape, dtype=self.weight.dtype)
+            self.qweight, self._dense_dropped = None, False
         if self.packed is None:
             return
         if self._dense_dropped:
@@ -120,7 +134,40 @@ class MatmulLayer(nn.Module):
             self._dense_dropped = False
         self.packed = None
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def load_quantized(self, piece: QuantizedTensor, row_offset: int) -> None:
+        """Keep `piece` (this rank's rows of one stacked matrix) for finalize_quantized."""
+        self.__dict__.setdefault("_qpieces", {})[row_offset] = piece
+
+    def finalize_quantized(self) -> None:
+        """After loading: keep the weight quantized when every row arrived quantized and the
+        kernels run here; otherwise dequantize the quantized pieces into the dense weight."""
+        pieces: dict[int, QuantizedTensor] = self.__dict__.pop("_qpieces", {})
+        if not pieces:
+            return
+        rows = self.weight.shape[0]
+        if sum(p.shape[0] for p in pieces.values()) == rows and quantization.available():
+            self.qweight = QuantWeight.from_pieces(pieces, rows)
+            self._drop_dense()
+            return
+        for offset, piece in pieces.items():
+            self.weight.data.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
+
+    def quantize_int8(self) -> None:
+        """Per-output-channel int8 of the loaded dense weight (where the kernels run and the
+        input size is whole blocks of 32; otherwise the weight stays dense)."""
+        if self.qweight is not None or not quantization.available():
+            return
+        self.unpack_weight()
+        qt = quantization.quantize_int8(self.weight.data)
+        if qt is not None:
+            self.qweight = QuantWeight.from_pieces({0: qt}, qt.shape[0])
+            self._drop_dense()
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            out = self.qweight.matmul(x, out_dtype)
+            return out if bias is None else out.add_(bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return linear(x, self.weight, bias)
@@ -203,6 +250,12 @@ class ColumnParallelLinear(MatmulLayer):
         size = self.local_sizes[idx]
         if full.shape[0] != self.full_sizes[idx]:
             raise ValueError(f"expected {self.full_sizes[idx]} output rows, got {full.shape[0]}")
+        if isinstance(full, QuantizedTensor):
+            if param is self.weight:
+                self.load_quantized(full.narrow_rows(self.tp_rank * size, size),
+                                    self.local_offsets[idx])
+                return
+            full = full.dequantize()  # a quantized bias: never seen, but not misread either
         local = full.narrow(0, self.tp_rank * size, size)
         _copy_into_rows(param, local, self.local_offsets[idx])
 
@@ -252,8 +305,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         if self.rope_perm is not None and shard_id in ("q", "k"):
             # Reorder each head's rows to interleaved RoPE pairs (q and k alike).
-            heads = full.view(-1, self.head_dim, *full.shape[1:])
-            full = heads.index_select(1, self.rope_perm).reshape(full.shape)
+            if isinstance(full, QuantizedTensor):
+                heads = torch.arange(full.shape[0] // self.head_dim).unsqueeze(1)
+                full = full.index_rows((heads * self.head_dim + self.rope_perm).reshape(-1))
+            else:
+                heads = full.view(-1, self.head_dim, *full.shape[1:])
+                full = heads.index_select(1, self.rope_perm).reshape(full.shape)
         super().weight_loader(param, full, shard_id)
 
     def _shard_index(self, shard_id: object) -> int:
@@ -284,6 +341,11 @@ class RowParallelLinear(MatmulLayer):
             self.bias.weight_loader = lambda p, t, shard_id=None: _copy_into(p, t)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        if isinstance(full, QuantizedTensor):
+            if full.shape[0] != param.shape[0]:
+                raise ValueError(f"expected {param.shape[0]} output rows, got {full.shape[0]}")
+            self.load_quantized(full.narrow_cols(self.tp_rank * self.local_in, self.local_in), 0)
+            return
         _copy_into(param, full.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -317,15 +379,28 @@ class VocabParallelEmbedding(MatmulLayer):
         if full.shape[0] != self.vocab_size:
             raise ValueError(f"expected {self.vocab_size} vocab rows, got {full.shape[0]}")
         real_rows = max(0, min(self.vocab_end, self.vocab_size) - self.vocab_start)
+        if isinstance(full, QuantizedTensor):
+            # Zero bytes decode to zeros in every kept type: the padding rows stay zero.
+            data = torch.zeros(self.rows_per_rank, full.data.shape[1], dtype=torch.uint8)
+            data[:real_rows] = full.data[self.vocab_start : self.vocab_start + real_rows]
+            self.load_quantized(QuantizedTensor(data, full.ggml_type, full.cols), 0)
+            return
         param.data.zero_()
         _copy_into_rows(param, full.narrow(0, self.vocab_start, real_rows), 0)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return embedding(ids, self.weight)
+        rows = quantization.dequantize_rows(self.qweight.segments[0][1], ids.reshape(-1),
+                                            self.weight.dtype)
+        return rows.view(*ids.shape, -1)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = (input_ids - self.vocab_start) * in_range  # out-of-range ids -> row 0
-        out = embedding(local_ids, self.weight).contiguous()
+        out = self._lookup(local_ids).contiguous()
         out.masked_fill_(~in_range.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
@@ -333,19 +408,30 @@ class VocabParallelEmbedding(MatmulLayer):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding; logits are gathered to the full vocab."""
 
-    tied = False
+    tied_to: VocabParallelEmbedding | None = None
+
+    @property
+    def tied(self) -> bool:
+        return self.tied_to is not None
 
     def tie_to(self, embed: VocabParallelEmbedding) -> None:
         # Both layers shard the vocab identically, so the local slices coincide.
         self.weight = embed.weight
-        self.tied = True
+        # A plain attribute, not a registered submodule: the embedding belongs to the model.
+        object.__setattr__(self, "tied_to", embed)
+
+    def finalize_quantized(self) -> None:
+        if self.tied_to is not None:  # the embedding (finalized first) holds the table
+            self.qweight = self.tied_to.qweight
+            return
+        super().finalize_quantized()
 
     def pack_weight(self, keep_dense: bool = False) -> None:
         # A tied table must stay dense for the embedding lookup, so packing costs a copy.
         super().pack_weight(keep_dense=keep_dense or self.tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._matmul(hidden, None)
+        logits = self._matmul(hidden, None, out_dtype=torch.float32)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         if self.padded_vocab != self.vocab_size:

@@ -208,10 +208,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, arch: ModelArch, dtype: torch.dtype, device="cpu",
-        layer_range: tuple[int, int] | None = None,
+        layer_range: tuple[int, int] | None = None, quantization: str = "none",
     ) -> None:
         super().__init__()
         tp = get_tp_group()
+        self.quantization = quantization
         check_tp_size(arch, tp.world_size)
         if arch.intermediate_size % tp.world_size:
             raise ValueError(
@@ -262,14 +263,29 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param = params[name]
             with torch.no_grad():
-                param.weight_loader(param, tensor.detach(), shard_id)
+                if isinstance(tensor, torch.Tensor):
+                    tensor = tensor.detach()
+                param.weight_loader(param, tensor, shard_id)
             loaded.add((name, shard_id))
         if unknown:
             raise ValueError(f"unknown weights in checkpoint: {sorted(unknown)}")
         missing = sorted(f"{n}" + ("" if s is None else f"[{s}]") for n, s in expected - loaded)
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing}")
+        self._finalize_quantized()
         self._set_packed(True)
+
+    def _finalize_quantized(self) -> None:
+        """Quantized weights: what a GGUF file handed over quantized stays so (the embedding
+        before the LM head, which may share its table); with quantization="int8" the decoder
+        layers' linear weights are quantized per output channel."""
+        embed = getattr(self.model, "embed_tokens", None)
+        for module in self.modules():
+            if isinstance(module, MatmulLayer):
+                module.finalize_quantized()
+                if self.quantization == "int8" and module is not embed and \
+                        module is not getattr(self, "lm_head", None):
+                    module.quantize_int8()
 
     def _set_packed(self, packed: bool) -> None:
         """Switch matmul layers to (or back from) prepacked weights where the dtype gains."""

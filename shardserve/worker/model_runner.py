@@ -106,8 +106,10 @@ class ModelRunner:
         layers = self.config.parallel_config.stage_layers(
             get_pp_group().stage, self.arch.num_layers
         )
-        model = LlamaForCausalLM(self.arch, self.dtype, self.device, layers)
-        model.load_weights(iter_weights(self.config.model_config.path))
+        quantization = self.config.model_config.quantization
+        model = LlamaForCausalLM(self.arch, self.dtype, self.device, layers, quantization)
+        model.load_weights(iter_weights(self.config.model_config.path,
+                                        keep_quantized=quantization == "gguf"))
         self.model = model.eval()
 
     def kv_cache_block_bytes(self) -> int:
