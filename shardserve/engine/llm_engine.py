@@ -17,7 +17,7 @@ from shardserve.engine.core import EngineCore
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.request import Request
 from shardserve.engine.structured_output import check_grammar
-from shardserve.model.loader import load_tokenizer
+from shardserve.model.tokenizer import EngineTokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
@@ -29,10 +29,12 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, stream: bool = False) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path,
-                                        config.model_config.trust_remote_code)
+        # Encodes and detokenizes without transformers where it can (a cold start's first
+        # token does not wait for it); `tokenizer` is the transformers one, built on first use.
+        self._tokenizer = EngineTokenizer(config.model_config.tokenizer_path,
+                                          config.model_config.trust_remote_code)
         self.core = EngineCore(config)
-        self.processor = OutputProcessor(self.tokenizer, stream=stream)
+        self.processor = OutputProcessor(self._tokenizer, stream=stream)
         self._ids = itertools.count()
         self._warned_max_tokens = False
 
@@ -40,6 +42,11 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
         """vLLM's constructor: from an EngineArgs (shardserve.EngineArgs)."""
         return cls(engine_args.create_engine_config())
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer (what `load_tokenizer` returns)."""
+        return self._tokenizer.full
 
     @property
     def vocab_size(self) -> int:
@@ -51,7 +58,7 @@ class LLMEngine:
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Text and token ids of a prompt; raises ValueError naming what is wrong."""
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, ids = prompt, self._tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:

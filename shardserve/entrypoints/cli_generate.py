@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -85,7 +85,7 @@ class GenerateCommand:
         llm = None
         try:
             llm = LLM(args.model, **engine_kwargs(args))
-            prompts = [to_prompt(item, llm.get_tokenizer()) for item in items]
+            prompts = [to_prompt(item, llm.get_tokenizer) for item in items]
             start = time.perf_counter()
             results = llm.generate(prompts, params, use_tqdm=True)
             elapsed = time.perf_counter() - start
@@ -166,10 +166,12 @@ def json_item(line: str, origin: str, chat: bool) -> PromptItem:
     return PromptItem(value, messages=value)
 
 
-def to_prompt(item: PromptItem, tokenizer: Any) -> str | dict[str, Any]:
-    """The item in LLM.generate's form; conversations go through the chat template."""
+def to_prompt(item: PromptItem, get_tokenizer: Callable[[], Any]) -> str | dict[str, Any]:
+    """The item in LLM.generate's form; conversations go through the chat template (the
+    tokenizer is asked for only then: a plain prompt's first token does not wait for it)."""
     if item.messages is None:
         return item.prompt
+    tokenizer = get_tokenizer()
     ids = tokenizer.apply_chat_template(
         item.messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )

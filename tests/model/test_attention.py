@@ -15,6 +15,18 @@ def test_kv_cache_starts_zeroed() -> None:
     assert all(bool((c == 0).all()) for c in caches)
 
 
+def test_kv_cache_layers_are_separate_writable_memory() -> None:
+    # Each layer is its own zero-filled-on-touch mapping (attention._lazily_zeroed), in bf16 too.
+    caches = allocate_kv_cache(3, 64, 16, 2, 64, torch.bfloat16)
+    assert all(c.dtype == torch.bfloat16 and c.is_contiguous() for c in caches)
+    assert all(c.data_ptr() % 64 == 0 for c in caches)
+    caches[1][5, 3] = 7.0
+    assert bool((caches[1][5, 3] == 7).all()) and int((caches[1] != 0).sum()) == 2 * 2 * 64
+    assert bool((caches[0] == 0).all()) and bool((caches[2] == 0).all())
+    del caches[1]  # unmapped with its last view; the others stay valid
+    assert float(caches[0].float().sum()) == 0.0
+
+
 def test_decodes_of_ragged_lengths_match_dense_attention(kernel_path: str) -> None:
     """Three decodes with contexts 5, 9 and 2 over shuffled blocks of 4, stale values in the
     unwritten tails: each equals plain SDPA over its own keys."""
