@@ -104,8 +104,12 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 class PagedRunner:
     """Drives a model step by step over a paged cache with shuffled (non-contiguous) blocks."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 96):
+    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 96,
+                 check_last_rows: bool = True):
         self.model = model
+        # The logits of the last rows alone must equal those rows of the whole step (not so
+        # with quantized weights: one row runs the int8 path, a step's rows the dense one).
+        self.check_last_rows = check_last_rows
         self.block_size = block_size
         self.caches = allocate_kv_cache(
             model.num_layers, num_blocks, block_size, model.local_num_kv_heads,
@@ -138,7 +142,8 @@ class PagedRunner:
             logits = self.model.compute_logits(hidden)
             last = self.model.compute_logits(hidden[meta.logits_indices])
         rows = list(torch.split(logits, query_lens))
-        torch.testing.assert_close(last, torch.stack([r[-1] for r in rows]))
+        if self.check_last_rows:
+            torch.testing.assert_close(last, torch.stack([r[-1] for r in rows]))
         return rows
 
 

@@ -4,11 +4,11 @@ dequantization, on random blocks of every kept GGUF type.
 Oracle: `gguf.quants.dequantize` (numpy, llama.cpp's reference written again in Python), then a
 float64 matmul. What each path must meet:
 - the embedding lookup (`dequantize_rows`) equals the gguf values bit for bit;
-- the int8 path (1-3 rows of x) quantizes x per 32 values to int8, so it is compared with the
-  reference on an x that int8 represents exactly (each block an integer vector times a power of
-  two, holding +-127): there it must agree to float32 rounding (relative 1e-5 of the largest
-  output); on a random x the activation rounding adds at most ~1% of the largest output (2e-2
-  asserted);
+- the integer path (1-3 rows of x) quantizes x per 32 values to int16, so it is compared with
+  the reference on an x that int16 represents exactly (each block an integer vector times a
+  power of two, holding +-32767): there it must agree to float32 rounding (relative 1e-5 of the
+  largest output); on a random x the activation rounding adds ~1e-5 (1e-4 asserted; bfloat16
+  inputs and outputs 1e-2);
 - from DENSE_MIN_ROWS rows on the weight is dequantized and multiplied densely: float32 agrees
   to 1e-5, bfloat16 to 1e-2.
 Each is run on the native build and on the AVX2 (x86-64-v3) and portable (x86-64-v2) builds.
@@ -49,13 +49,13 @@ def reference(w: q.QuantizedTensor) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32)).reshape(w.shape)
 
 
-def int8_exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """x whose per-32 int8 quantization is exact: integers in [-127, 127] (one of them +-127
-    per block) times a power of two per block."""
+def int16_exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """x whose per-32 int16 quantization is exact: integers in [-32767, 32767] (one of them
+    +-32767 per block) times a power of two per block."""
     g = torch.Generator().manual_seed(seed)
-    ints = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
-    ints[:, :, 0] = 127 * (1 - 2 * torch.randint(0, 2, (rows, cols // 32), generator=g))
-    scale = 2.0 ** torch.randint(-6, 2, (rows, cols // 32, 1), generator=g).float()
+    ints = torch.randint(-32767, 32768, (rows, cols // 32, 32), generator=g)
+    ints[:, :, 0] = 32767 * (1 - 2 * torch.randint(0, 2, (rows, cols // 32), generator=g))
+    scale = 2.0 ** torch.randint(-20, -12, (rows, cols // 32, 1), generator=g).float()
     return (ints.float() * scale).reshape(rows, cols)
 
 
@@ -81,9 +81,9 @@ def test_dequantized_rows_equal_the_gguf_package(kernels, ggml_type):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 2, 3])
-def test_int8_path_is_exact_where_int8_holds_x(kernels, ggml_type, rows):
+def test_integer_path_is_exact_where_int16_holds_x(kernels, ggml_type, rows):
     w = random_blocks(ggml_type, 72, 512, seed=ggml_type + rows)
-    x = int8_exact_x(rows, 512, seed=rows)
+    x = int16_exact_x(rows, 512, seed=rows)
     got = q.QuantWeight.from_pieces({0: w}, 72).matmul(x)
     assert rel_err(got, x.double() @ reference(w).double().T) < 1e-5
 
@@ -98,7 +98,7 @@ def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype
     assert got.dtype == dtype and got.shape == (rows, 48)
     want = x.double() @ reference(w).double().T
     dense = rows >= q.DENSE_MIN_ROWS and kernels != "portable"
-    limit = (1e-5 if dtype == torch.float32 else 1e-2) if dense else 2e-2
+    limit = 1e-2 if dtype == torch.bfloat16 else 1e-5 if dense else 1e-4
     assert rel_err(got, want) < limit
 
 
@@ -108,11 +108,11 @@ def test_segments_of_different_types_fill_their_columns(kernels):
     a, b = random_blocks(12, 64, 512, seed=1), random_blocks(14, 32, 512, seed=2)
     weight = q.QuantWeight.from_pieces({64: b, 0: a}, 96)
     assert [off for off, _ in weight.segments] == [0, 64]
-    x = int8_exact_x(2, 512, seed=3)
+    x = int16_exact_x(2, 512, seed=3)
     want = x.double() @ torch.cat([reference(a), reference(b)]).double().T
     assert rel_err(weight.matmul(x), want) < 1e-5
     logits = weight.matmul(x.bfloat16(), out_dtype=torch.float32)
-    assert logits.dtype == torch.float32 and rel_err(logits, want) < 2e-2
+    assert logits.dtype == torch.float32 and rel_err(logits, want) < 1e-2
 
 
 def test_same_type_pieces_merge_into_one_segment():
@@ -142,7 +142,7 @@ def test_int8_per_channel_quantization():
     # one scale per row: every block of a row holds the same fp16 scale
     scales = qt.data.view(24, 3, 34)[:, :, :2]
     assert (scales == scales[:, :1]).all()
-    x = int8_exact_x(2, 96, seed=1)
+    x = int16_exact_x(2, 96, seed=1)
     got = q.QuantWeight.from_pieces({0: qt}, 24).matmul(x)
     assert rel_err(got, x.double() @ deq.double().T) < 1e-5
     assert q.quantize_int8(torch.randn(4, 40)) is None  # 40 columns: not whole blocks

@@ -240,15 +240,15 @@ static void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     }
 }
 
-/* Quantized activations: int8 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
+/* Quantized activations: int16 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
  * sum xs [B, K/16] (xs = d * sum q over the half). */
 typedef struct {
-    int8_t *q;
+    int16_t *q;
     float *d;
     float *xs;
 } xquant_t;
 
-static void quantize_x_row(const void *x, int64_t K, int dtype, int8_t *q, float *d, float *xs) {
+static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, float *d, float *xs) {
     for (int64_t sub = 0; sub < K / 32; sub++) {
         float v[32], amax = 0.f;
         for (int l = 0; l < 32; l++) {
@@ -256,11 +256,11 @@ static void quantize_x_row(const void *x, int64_t K, int dtype, int8_t *q, float
             v[l] = dtype == QDT_F32 ? ((const float *)x)[i] : q_bf16_to_f32(((const uint16_t *)x)[i]);
             amax = fmaxf(amax, fabsf(v[l]));
         }
-        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
         int sum[2] = {0, 0};
         for (int l = 0; l < 32; l++) {
             const int qi = (int)nearbyintf(v[l] * inv);
-            q[32 * sub + l] = (int8_t)qi;
+            q[32 * sub + l] = (int16_t)qi;
             sum[l / 16] += qi;
         }
         d[sub] = scale;
@@ -276,99 +276,11 @@ static inline float offset_dot(const float *m, const float *xs, int64_t halves) 
     return acc;
 }
 
-#if QK_SIMD
-/* int32 lanes: lane i sums the products of bytes 4i..4i+3 (u8 w times s8 x). Without VNNI,
- * vpmaddubsw's int16 pairs hold: |w| <= 128 (Q8_0 via the sign trick) or w <= 63 times
- * |x| <= 127, twice, stays below 32767. */
-static inline __m256i dot_u8s8(__m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline __m256 half_scales(const float *s) {
-    return _mm256_setr_m128(_mm_set1_ps(s[0]), _mm_set1_ps(s[1]));
-}
-
-/* One decoded row with one row of x: two accumulators, so the fmadds of neighbouring
- * sub-blocks do not wait for each other. */
-static inline float dot_row1_simd(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
-                                  int is_signed) {
-    const int8_t *x = xq->q + b * K;
-    const float *xd = xq->d + b * (K / 32);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t sub = 0;
-    for (; sub + 1 < K / 32; sub += 2) {
-        __m256i w0 = load32(r->q + 32 * sub), w1 = load32(r->q + 32 * sub + 32);
-        __m256i x0 = load32((const uint8_t *)x + 32 * sub);
-        __m256i x1 = load32((const uint8_t *)x + 32 * sub + 32);
-        if (is_signed) {
-            x0 = _mm256_sign_epi8(x0, w0);
-            x1 = _mm256_sign_epi8(x1, w1);
-            w0 = _mm256_sign_epi8(w0, w0);
-            w1 = _mm256_sign_epi8(w1, w1);
-        }
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0)),
-                               _mm256_mul_ps(half_scales(r->s + 2 * sub), _mm256_set1_ps(xd[sub])), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1)),
-                               _mm256_mul_ps(half_scales(r->s + 2 * sub + 2), _mm256_set1_ps(xd[sub + 1])),
-                               acc1);
-    }
-    for (; sub < K / 32; sub++) {
-        __m256i w = load32(r->q + 32 * sub), xv = load32((const uint8_t *)x + 32 * sub);
-        if (is_signed) {
-            xv = _mm256_sign_epi8(xv, w);
-            w = _mm256_sign_epi8(w, w);
-        }
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w, xv)),
-                               _mm256_mul_ps(half_scales(r->s + 2 * sub), _mm256_set1_ps(xd[sub])), acc0);
-    }
-    return hsum8(_mm256_add_ps(acc0, acc1)) + offset_dot(r->m, xq->xs + b * (K / 16), K / 16);
-}
-
-/* Dot products of one decoded row with up to 4 rows of x (nb of them) over K elements. */
-static inline void dot_rows_simd(const row_t *r, const xquant_t *xq, int64_t b0, int nb,
-                                 int64_t K, int is_signed, float *res) {
-    if (nb == 1) {
-        res[0] = dot_row1_simd(r, xq, b0, K, is_signed);
-        return;
-    }
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    for (int64_t sub = 0; sub < K / 32; sub++) {
-        __m256i w = load32(r->q + 32 * sub);
-        const __m256i sign = w;
-        if (is_signed) w = _mm256_sign_epi8(w, w); /* |w|; x takes w's sign below */
-        const __m256 s = half_scales(r->s + 2 * sub);
-        for (int i = 0; i < nb; i++) {
-            const int64_t b = b0 + i;
-            __m256i x = load32((const uint8_t *)(xq->q + b * K + 32 * sub));
-            if (is_signed) x = _mm256_sign_epi8(x, sign);
-            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
-            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xq->d[b * (K / 32) + sub]));
-            acc[i] = _mm256_fmadd_ps(p, sx, acc[i]);
-        }
-    }
-    for (int i = 0; i < nb; i++)
-        res[i] = hsum8(acc[i]) + offset_dot(r->m, xq->xs + (b0 + i) * (K / 16), K / 16);
-}
-#endif
-
 #if !QK_SIMD
+/* Portable path: the row decoded by decode_row, times one row of x. */
 static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
                             int is_signed) {
-    const int8_t *x = xq->q + b * K;
+    const int16_t *x = xq->q + b * K;
     float acc = 0.f;
     for (int64_t h = 0; h < K / 16; h++) {
         int32_t dot = 0;
@@ -389,20 +301,13 @@ static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
         ((uint16_t *)out)[idx] = q_f32_to_bf16(v);
 }
 
+#if !QK_SIMD
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
-    for (int64_t b0 = 0; b0 < B; b0 += 4) {
-        const int nb = B - b0 < 4 ? (int)(B - b0) : 4;
-        float res[4];
-#if QK_SIMD
-        dot_rows_simd(r, xq, b0, nb, K, is_signed, res);
-#else
-        for (int i = 0; i < nb; i++) res[i] = dot_row_scalar(r, xq, b0 + i, K, is_signed);
-#endif
-        for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
-    }
+    for (int64_t b = 0; b < B; b++)
+        store_out(out, b * out_stride + n, dot_row_scalar(r, xq, b, K, is_signed), out_dtype);
 }
-
+#endif
 
 #if QK_SIMD
 /*
@@ -412,9 +317,12 @@ static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K
  * at every call site, so each type gets its own loop.
  */
 #define FUSED_MAX_B 4
-static int fused_max_b(void) {
-    const char *v = getenv("QK_FUSED_MAX_B");
-    return v ? atoi(v) : FUSED_MAX_B;
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
 /* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
@@ -500,23 +408,25 @@ static inline __attribute__((always_inline)) void fused_row(
         for (int j = 0; j < elems / 32; j++) {
             const int64_t sub = blk_i * (elems / 32) + j;
             float s[2], m[2];
-            __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
-            const __m256i sign = w;
-            if (TYPE == T_Q8_0) w = _mm256_sign_epi8(w, w);
+            const __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
+            /* widened to int16: elements 0-15 (half 0) and 16-31 (half 1) */
+            const __m128i w_lo = _mm256_castsi256_si128(w), w_hi = _mm256_extracti128_si256(w, 1);
+            const __m256i w0 = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(w_lo) : _mm256_cvtepu8_epi16(w_lo);
+            const __m256i w1 = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(w_hi) : _mm256_cvtepu8_epi16(w_hi);
             for (int i = 0; i < NB; i++) {
                 const int64_t b = b0 + i;
-                __m256i x = load32((const uint8_t *)(xq->q + b * K + 32 * sub));
-                if (TYPE == T_Q8_0) x = _mm256_sign_epi8(x, sign);
-                const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
+                const int16_t *x = xq->q + b * K + 32 * sub;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+                /* int32 lanes of adjacent pairs: |w| <= 128, |x| <= 32767, two of them fit */
+                const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, x0));
+                const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, x1));
                 const float xd = xq->d[b * (K / 32) + sub];
-                const float *xs = xq->xs + b * (K / 16) + 2 * sub;
-                if (TYPE == T_Q6_K) {
-                    const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[0] * xd), _mm_set1_ps(s[1] * xd));
-                    acc[i] = _mm256_fmadd_ps(p, sv, acc[i]);
+                acc[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s[0] * xd), acc[i]);
+                acc[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s[1] * xd), acc[i]);
+                if (TYPE != T_Q8_0) {
+                    const float *xs = xq->xs + b * (K / 16) + 2 * sub;
                     macc[i] += m[0] * xs[0] + m[1] * xs[1];
-                } else {
-                    acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(s[0] * xd), acc[i]);
-                    if (TYPE != T_Q8_0) macc[i] += m[0] * (xs[0] + xs[1]);
                 }
             }
         }
@@ -668,7 +578,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     int elems, bytes;
     if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
         return -2;
-    xquant_t xq = {malloc((size_t)(B * K)), malloc(sizeof(float) * (size_t)(B * (K / 32))),
+    xquant_t xq = {malloc(sizeof(int16_t) * (size_t)(B * K)), malloc(sizeof(float) * (size_t)(B * (K / 32))),
                    malloc(sizeof(float) * (size_t)(B * (K / 16)))};
     int rc = 0;
     if (!xq.q || !xq.d || !xq.xs) {
@@ -681,11 +591,8 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
                        xq.d + b * (K / 32), xq.xs + b * (K / 16));
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
-    if (B <= fused_max_b()) {
-        fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
-        goto done;
-    }
-#endif
+    fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
+#else
     const int is_signed = type == T_Q8_0;
     row_t *rows = alloc_rows(threads, K);
     if (rows == NULL) {
@@ -699,6 +606,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         row_times_x(r, &xq, B, K, is_signed, out, out_stride, n, out_dtype);
     }
     free_rows(rows, threads);
+#endif
 done:
     free(xq.q);
     free(xq.d);
