@@ -22,8 +22,8 @@ import torch
 from shardserve.config import ModelConfig
 from shardserve.model import native_kernels
 from shardserve.model.arch import ModelArch
-from shardserve.model.loader import iter_weights, load_tokenizer
 from shardserve.model.llama import LlamaForCausalLM
+from shardserve.model.loader import iter_weights, load_tokenizer
 from shardserve.model.quantization import QuantWeight
 from tests.entrypoints.pp_oracle import CHAT_PROMPTS, RAW_PROMPTS
 from tests.model.test_llama import PagedRunner
