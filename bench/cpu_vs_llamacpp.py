@@ -1,0 +1,214 @@
+"""shardserve (each quantization) against llama.cpp on the same GGUF file, on this CPU, in one run.
+
+    python bench/cpu_vs_llamacpp.py [--rounds 3] [--model PATH.gguf] [--threads 2]
+        [--sides gguf,none-bf16,none-f32,int8] [--llama-python PATH] [--llama-requests 4]
+
+llama.cpp's side needs llama-cpp-python (the `bench` extra pins 0.3.36). Build it for this CPU:
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
+into this interpreter or into a virtualenv of its own (then pass --llama-python
+/that/venv/bin/python). Without it the llama.cpp column is skipped and said so.
+
+Columns, per side:
+  * cold start: process start -> first token, s (a fresh process each round: for shardserve
+    `shardserve generate "Hi" --max-tokens 1` with the side's flags, to its first output line;
+    for llama.cpp a python process that imports llama_cpp, loads the file and completes 1 token);
+  * batch-1 decode, tok/s: one greedy request, the tokens after the first over the time they
+    took (EOS banned / ignored, so every run decodes --decode-tokens);
+  * 64 x 128, tok/s: 64 prompts x 128 tokens in one generate call; llama.cpp serves one
+    sequence at a time here, so its figure comes from --llama-requests of the 64 prompts run one
+    after another (the rate does not depend on how many).
+Every round measures every side and column back to back (the sides' order rotating); ratios are
+per round, reported as the median (and range) of the per-round ratios. Issue 14's targets:
+batch-1 >= 1.2x llama.cpp, 64 x 128 >= 8x llama.cpp, cold start <= 2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _rounds import Rounds, make_prompts, rotated, spread
+
+from shardserve import LLM, SamplingParams
+from shardserve.model.loader import default_model_path
+
+SIDES = {  # side -> LLM / CLI options
+    "gguf": {"quantization": "gguf", "dtype": "auto"},
+    "none-bf16": {"quantization": "none", "dtype": "bfloat16"},
+    "none-f32": {"quantization": "none", "dtype": "float32"},
+    "int8": {"quantization": "int8", "dtype": "auto"},
+}
+LLAMA = "llama.cpp"
+COLUMNS = ("cold start s", "batch-1 tok/s", "64x128 tok/s")
+_LLAMA_COLD = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]), verbose=False)
+llm.create_completion("Hi", max_tokens=1)
+print("first token", flush=True)
+"""
+
+
+def first_line_time(cmd: list[str], marker: str) -> float:
+    """Seconds from spawning cmd to the first stdout line containing marker."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if marker in line:
+                return time.perf_counter() - t0
+        raise RuntimeError(f"{cmd[:4]}... exited ({proc.wait()}) without printing {marker!r}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class ShardserveSide:
+    def __init__(self, name: str, model: str, threads: int) -> None:
+        self.name, self.model, self.options = name, model, SIDES[name]
+        self.llm = LLM(model, max_model_len=1024, max_num_seqs=64, **self.options)
+        self.threads = threads
+
+    def cold_start(self) -> float:
+        script = Path(sys.executable).with_name("shardserve")
+        base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
+        flags = [f"--{k}={v}" for k, v in self.options.items()]
+        return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model",
+                                self.model, *flags], "--- output 1")
+
+    def decode_rate(self, prompt: str, tokens: int) -> float:
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        t1 = _timed(lambda: self.llm.generate([prompt], one, use_tqdm=False))
+        tn = _timed(lambda: self.llm.generate([prompt], full, use_tqdm=False))
+        return (tokens - 1) / max(tn - t1, 1e-9)
+
+    def throughput(self, prompts: list[str], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class LlamaSide:
+    """llama-cpp-python in a child process (bench/_llamacpp_side.py)."""
+
+    name = LLAMA
+
+    def __init__(self, python: str, model: str, threads: int, requests: int) -> None:
+        self.python, self.model, self.threads, self.requests = python, model, threads, requests
+        here = Path(__file__).with_name("_llamacpp_side.py")
+        self.proc = subprocess.Popen([python, str(here), model, str(threads)], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._read()
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp side exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def _ask(self, **cmd) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def cold_start(self) -> float:
+        return first_line_time([self.python, "-c", _LLAMA_COLD, self.model, str(self.threads)],
+                               "first token")
+
+    def decode_rate(self, prompt: str, tokens: int) -> float:
+        reply = self._ask(cmd="decode", prompt=prompt, tokens=tokens)
+        return reply["tokens"] / reply["seconds"]
+
+    def throughput(self, prompts: list[str], tokens: int) -> float:
+        reply = self._ask(cmd="requests", prompts=prompts[: self.requests], tokens=tokens)
+        return reply["tokens"] / reply["seconds"]
+
+    def close(self) -> None:
+        try:
+            self._ask(cmd="quit")
+        except (RuntimeError, BrokenPipeError, OSError):
+            pass
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def llama_available(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+def measure_round(sides: list, r: int, args, prompts: list[str], samples: Rounds) -> None:
+    for side in rotated(sides, r):
+        samples.add((side.name, COLUMNS[0]), side.cold_start())
+        samples.add((side.name, COLUMNS[1]), side.decode_rate(prompts[0], args.decode_tokens))
+        samples.add((side.name, COLUMNS[2]), side.throughput(prompts, args.tokens))
+
+
+def report(samples: Rounds, names: list[str], has_llama: bool) -> None:
+    header = f"{'side':<12}" + "".join(f"{c:>16}" for c in COLUMNS)
+    if has_llama:
+        header += "   batch-1 / llama.cpp   64x128 / llama.cpp"
+    print("\n" + header)
+    for name in names:
+        row = f"{name:<12}" + "".join(f"{samples.median((name, c)):>16.2f}" for c in COLUMNS)
+        if has_llama and name != LLAMA:
+            for col in COLUMNS[1:]:
+                ratios = samples.ratios((name, col), (LLAMA, col))
+                row += f"   {samples.ratio((name, col), (LLAMA, col)):.2f}x {spread(ratios):<12}"
+        print(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sides", default="gguf,none-bf16,int8")
+    parser.add_argument("--llama-python", default=sys.executable)
+    parser.add_argument("--llama-requests", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    args = parser.parse_args()
+    model = args.model or str(default_model_path())
+    prompts = make_prompts(args.prompts)
+    sides: list = [ShardserveSide(name, model, args.threads) for name in args.sides.split(",")]
+    has_llama = llama_available(args.llama_python)
+    if has_llama:
+        sides.append(LlamaSide(args.llama_python, model, args.threads, args.llama_requests))
+    else:
+        print(f"llama.cpp column skipped: `import llama_cpp` fails in {args.llama_python}; "
+              f"see this file's docstring for how to install it")
+    samples = Rounds()
+    try:
+        for side in sides:  # warm-up
+            side.decode_rate(prompts[0], 8)
+        for r in range(args.rounds):
+            measure_round(sides, r, args, prompts, samples)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        for side in sides:
+            side.close()
+    report(samples, [s.name for s in sides], has_llama)
+
+
+if __name__ == "__main__":
+    main()
