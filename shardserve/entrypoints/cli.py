@@ -12,6 +12,7 @@ Exit codes: 0 success, 2 bad input (`error: <message>` on stderr, no traceback),
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from typing import Protocol
@@ -80,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input: a model path, a file, a value
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        if argv is None:  # the process's own command line: it exits next
+            _skip_teardown_collections()
+
+
+def _skip_teardown_collections() -> None:
+    """The collections the interpreter runs while tearing down walk torch's whole object graph
+    (~0.2 s of a ~1.5 s `generate`); frozen objects are skipped. Their memory goes with the
+    process all the same, atexit hooks still run, and the command has shut its engine down."""
+    gc.freeze()
 
 
 if __name__ == "__main__":
