@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels, quantization
 from shardserve.model.quantization import QuantizedTensor, QuantWeight
@@ -109,7 +110,7 @@ class MatmulLayer(nn.Module):
 
     def pack_weight(self, keep_dense: bool = False) -> None:
         if self.qweight is not None:
-            return
+            return  # packed (or not) with the quantized weight, by _set_qweight
         self.unpack_weight()
         packed = _mkldnn_pack(self.weight.data)
         if packed is None:
@@ -146,8 +147,7 @@ class MatmulLayer(nn.Module):
             return
         rows = self.weight.shape[0]
         if sum(p.shape[0] for p in pieces.values()) == rows and quantization.available():
-            self.qweight = QuantWeight.from_pieces(pieces, rows)
-            self._drop_dense()
+            self._set_qweight(QuantWeight.from_pieces(pieces, rows))
             return
         for offset, piece in pieces.items():
             self.weight.data.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
@@ -160,12 +160,20 @@ class MatmulLayer(nn.Module):
         self.unpack_weight()
         qt = quantization.quantize_int8(self.weight.data)
         if qt is not None:
-            self.qweight = QuantWeight.from_pieces({0: qt}, qt.shape[0])
-            self._drop_dense()
+            self._set_qweight(QuantWeight.from_pieces({0: qt}, qt.shape[0]))
+
+    def _set_qweight(self, qweight: QuantWeight) -> None:
+        """Compute from `qweight`; for batched steps also from a prepacked dense copy of it
+        (SHARDSERVE_QUANT_DENSE_BATCHES), the dense parameter dropped either way."""
+        self.qweight, self.packed = qweight, None
+        if envs.quant_dense_batches():
+            self.packed = _mkldnn_pack(qweight.dequantize(self.weight.dtype))
+        self._drop_dense()
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.qweight is not None and (self.packed is None or
+                                         x.numel() < quantization.DENSE_MIN_ROWS * x.shape[-1]):
             out = self.qweight.matmul(x, out_dtype)
             return out if bias is None else out.add_(bias)
         if self.packed is not None:
@@ -421,8 +429,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         object.__setattr__(self, "tied_to", embed)
 
     def finalize_quantized(self) -> None:
-        if self.tied_to is not None:  # the embedding (finalized first) holds the table
-            self.qweight = self.tied_to.qweight
+        embed = self.tied_to
+        if embed is not None and embed.qweight is not None:
+            # The embedding (finalized first) holds the table; the head computes from it.
+            self._set_qweight(embed.qweight)
             return
         super().finalize_quantized()
 

@@ -389,16 +389,57 @@ static inline __attribute__((always_inline)) void fused_block_scales(
     }
 }
 
+/* One sub-block's share: acc += (w . x per pair of int16) * scale, the scale per half (Q6_K) or
+ * one for all 32. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
+ * convert to float exactly. AVX-512 does the 32 values in one register, AVX2 in two. */
+#if defined(__AVX512BW__)
+typedef __m512 acc_t;
+typedef __m512i wide_t;
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
+static inline __attribute__((always_inline)) wide_t widen(int TYPE, __m256i w) {
+    return TYPE == T_Q8_0 ? _mm512_cvtepi8_epi16(w) : _mm512_cvtepu8_epi16(w);
+}
+static inline __attribute__((always_inline)) acc_t mac_sub(int per_half, acc_t acc, wide_t w,
+                                                           const int16_t *x, float s0, float s1) {
+    const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
+    const __m512 sv = per_half ? _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
+                               : _mm512_set1_ps(s0);
+    return _mm512_fmadd_ps(p, sv, acc);
+}
+#else
+typedef __m256 acc_t;
+typedef struct { __m256i lo, hi; } wide_t;
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return hsum8(a); }
+static inline __attribute__((always_inline)) wide_t widen(int TYPE, __m256i w) {
+    const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+    wide_t out;
+    out.lo = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+    out.hi = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+    return out;
+}
+static inline __attribute__((always_inline)) acc_t mac_sub(int per_half, acc_t acc, wide_t w,
+                                                           const int16_t *x, float s0, float s1) {
+    const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    if (!per_half)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), acc);
+}
+#endif
+
 static inline __attribute__((always_inline)) void fused_row(
     int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
     const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
     const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
                     : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
     /* NB is a constant at each call: the accumulators stay in registers. */
-    __m256 acc[FUSED_MAX_B];
+    acc_t acc[FUSED_MAX_B];
     float macc[FUSED_MAX_B];
     for (int i = 0; i < NB; i++) {
-        acc[i] = _mm256_setzero_ps();
+        acc[i] = acc_zero();
         macc[i] = 0.f;
     }
     float k_s[16], k_m[8];
@@ -408,22 +449,12 @@ static inline __attribute__((always_inline)) void fused_row(
         for (int j = 0; j < elems / 32; j++) {
             const int64_t sub = blk_i * (elems / 32) + j;
             float s[2], m[2];
-            const __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
-            /* widened to int16: elements 0-15 (half 0) and 16-31 (half 1) */
-            const __m128i w_lo = _mm256_castsi256_si128(w), w_hi = _mm256_extracti128_si256(w, 1);
-            const __m256i w0 = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(w_lo) : _mm256_cvtepu8_epi16(w_lo);
-            const __m256i w1 = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(w_hi) : _mm256_cvtepu8_epi16(w_hi);
+            const wide_t w = widen(TYPE, fused_sub(TYPE, blk, j, k_s, k_m, s, m));
             for (int i = 0; i < NB; i++) {
                 const int64_t b = b0 + i;
-                const int16_t *x = xq->q + b * K + 32 * sub;
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-                /* int32 lanes of adjacent pairs: |w| <= 128, |x| <= 32767, two of them fit */
-                const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, x0));
-                const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, x1));
                 const float xd = xq->d[b * (K / 32) + sub];
-                acc[i] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s[0] * xd), acc[i]);
-                acc[i] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s[1] * xd), acc[i]);
+                acc[i] = mac_sub(TYPE == T_Q6_K, acc[i], w, xq->q + b * K + 32 * sub,
+                                 s[0] * xd, s[1] * xd);
                 if (TYPE != T_Q8_0) {
                     const float *xs = xq->xs + b * (K / 16) + 2 * sub;
                     macc[i] += m[0] * xs[0] + m[1] * xs[1];
@@ -431,7 +462,7 @@ static inline __attribute__((always_inline)) void fused_row(
             }
         }
     }
-    for (int i = 0; i < NB; i++) res[i] = hsum8(acc[i]) + macc[i];
+    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + macc[i];
 }
 
 #define FUSED_NB(T, NB)                                                                \
