@@ -105,7 +105,8 @@ def quant_dense_batches() -> bool:
 
 
 def cache_dir() -> str:
-    """SHARDSERVE_CACHE_DIR: where compiled kernels are kept (default ~/.cache/shardserve)."""
+    """SHARDSERVE_CACHE_DIR: where compiled kernels and GGUF tokenizer backends are kept
+    (default ~/.cache/shardserve)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "shardserve")
     return os.environ.get("SHARDSERVE_CACHE_DIR") or default
 
