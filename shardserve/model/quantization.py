@@ -28,7 +28,15 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-Q8_0 = 8
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+# shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
+# values and bytes as their source, scales gathered at the row's end.
+R4, R8 = 1004, 1008
+_REPACKED: dict[int, tuple[str, int, int]] = {R4: ("R4", 32, 20), R8: ("R8", 32, 34)}
+
+
+def _layout(ggml_type: int) -> tuple[str, int, int]:
+    return GGML_TYPES.get(ggml_type) or _REPACKED[ggml_type]
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # From this many rows of x on, a product dequantizes the weight to x's dtype (into a reused
 # buffer) and runs the dense kernel: the int8 path pays a float scale per 32 weights and row of
@@ -42,9 +50,10 @@ class QuantizedTensor:
     data: torch.Tensor  # uint8 [rows, row_bytes], contiguous
     ggml_type: int
     cols: int
+    source_type: int | None = None  # the GGUF type a repacked (R4 / R8) tensor came from
 
     def __post_init__(self) -> None:
-        name, elems, nbytes = GGML_TYPES[self.ggml_type]
+        name, elems, nbytes = _layout(self.ggml_type)
         if self.cols % elems or self.data.shape[-1] != self.cols // elems * nbytes:
             raise ValueError(f"{name}: {self.data.shape[-1]} bytes per row do not hold "
                              f"{self.cols} elements")
@@ -55,21 +64,25 @@ class QuantizedTensor:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPES[self.ggml_type][0]
+        """The GGUF type the values came in (a repacked tensor keeps its source's name)."""
+        return GGML_TYPES[self.source_type or self.ggml_type][0]
 
     @property
     def block_elems(self) -> int:
-        return GGML_TYPES[self.ggml_type][1]
+        return _layout(self.ggml_type)[1]
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
         return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
-                               self.cols)
+                               self.cols, self.source_type)
 
     def index_rows(self, rows: torch.Tensor) -> QuantizedTensor:
-        return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols)
+        return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols,
+                               self.source_type)
 
     def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
         """Columns [start, start + length): whole blocks only (a tensor-parallel input split)."""
+        if self.ggml_type in _REPACKED:
+            raise ValueError("a repacked weight is split before it is repacked, not after")
         _, elems, nbytes = GGML_TYPES[self.ggml_type]
         if start % elems or length % elems:
             raise ValueError(
@@ -94,6 +107,28 @@ def is_kept_type(ggml_type: int) -> bool:
 def available() -> bool:
     """Whether the quantized kernels can run here (the native library builds and loads)."""
     return native_kernels.supports(torch.float32, torch.device("cpu"))
+
+
+def repack(w: QuantizedTensor) -> QuantizedTensor:
+    """Q4_0 / Q4_1 (cols a multiple of 64) as R4 and Q8_0 as R8, where this build's kernels
+    compute those faster (AVX-512); anything else unchanged. Exact: same values."""
+    kinds = {Q4_0: R4, Q4_1: R4, Q8_0: R8}
+    if w.ggml_type not in kinds or (w.ggml_type != Q8_0 and w.cols % 64) or \
+            not native_kernels.lib().quant_can_repack():
+        return w
+    rows, nb = w.shape[0], w.cols // 32
+    blocks = w.data.view(rows, nb, -1)
+    d = blocks[:, :, 0:2]
+    if w.ggml_type == Q8_0:
+        parts = [blocks[:, :, 2:34], d]
+    else:
+        qs = blocks[:, :, 4:20] if w.ggml_type == Q4_1 else blocks[:, :, 2:18]
+        m = blocks[:, :, 2:4] if w.ggml_type == Q4_1 else \
+            (d.contiguous().view(torch.float16) * -8).view(torch.uint8)
+        values = torch.cat([qs & 15, qs >> 4], dim=2).view(rows, nb // 2, 2, 32)
+        parts = [values[:, :, 0] | (values[:, :, 1] << 4), d, m]
+    data = torch.cat([p.reshape(rows, -1) for p in parts], dim=1)
+    return QuantizedTensor(data, kinds[w.ggml_type], w.cols, w.ggml_type)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor | None:
@@ -196,7 +231,7 @@ class QuantWeight:
                                                      piece.ggml_type, piece.cols))
             else:
                 merged.append((offset, piece))
-        return cls(tuple(merged), rows, merged[0][1].cols)
+        return cls(tuple((off, repack(seg)) for off, seg in merged), rows, merged[0][1].cols)
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N] in out_dtype (default x's dtype)."""

@@ -49,6 +49,13 @@
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
+/* Repacked at load (shardserve's own layouts, row-major, same bytes as their sources): a row of
+ * K is  R4: u8 nib[K/2] | f16 d[K/32] | f16 m[K/32]   (from Q4_0 / Q4_1; K % 64 == 0)
+ *             nib byte 32 g + l = q(sub 2g, l) | q(sub 2g+1, l) << 4,   w = d * q + m
+ *       R8: i8 q[K] | f16 d[K/32]                      (from Q8_0),       w = d * q
+ * so that a 32-byte load holds two sub-blocks and 16 scales convert in one instruction. */
+#define T_R4 1004
+#define T_R8 1008
 
 #define QDT_F32 0
 #define QDT_BF16 1
@@ -107,6 +114,8 @@ static int block_shape(int type, int *elems, int *bytes) {
     case T_Q4_K: *elems = 256; *bytes = 144; return 1;
     case T_Q5_K: *elems = 256; *bytes = 176; return 1;
     case T_Q6_K: *elems = 256; *bytes = 210; return 1;
+    case T_R4: *elems = 32; *bytes = 20; return 1;
+    case T_R8: *elems = 32; *bytes = 34; return 1;
     default: return 0;
     }
 }
@@ -222,8 +231,28 @@ static void decode_q6_k(const uint8_t *blk, int64_t sub0, row_t *r) {
     }
 }
 
+static void decode_r_row(const uint8_t *w, int64_t K, int type, row_t *r) {
+    const uint8_t *scales = w + (type == T_R4 ? K / 2 : K);
+    for (int64_t sub = 0; sub < K / 32; sub++) {
+        const float d = half_to_f32(scales + 2 * sub);
+        const float m = type == T_R4 ? half_to_f32(scales + K / 16 + 2 * sub) : 0.f;
+        set_halves(r, sub, d, m);
+        uint8_t *q = r->q + 32 * sub;
+        if (type == T_R8) {
+            memcpy(q, w + 32 * sub, 32);
+        } else {
+            const uint8_t *nib = w + 32 * (sub / 2);
+            for (int l = 0; l < 32; l++) q[l] = (sub & 1) ? nib[l] >> 4 : nib[l] & 0xF;
+        }
+    }
+}
+
 /* Decode one weight row of K elements (K a multiple of the type's block). */
 static void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
+    if (type == T_R4 || type == T_R8) {
+        decode_r_row(w, K, type, r);
+        return;
+    }
     int elems = 32, bytes = 0;
     block_shape(type, &elems, &bytes);
     for (int64_t b = 0; b < K / elems; b++) {
@@ -246,9 +275,11 @@ typedef struct {
     int16_t *q;
     float *d;
     float *xs;
+    float *xs32; /* [B, K/32]: xs of both halves */
 } xquant_t;
 
-static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, float *d, float *xs) {
+static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, float *d, float *xs,
+                           float *xs32) {
     for (int64_t sub = 0; sub < K / 32; sub++) {
         float v[32], amax = 0.f;
         for (int l = 0; l < 32; l++) {
@@ -266,6 +297,7 @@ static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, floa
         d[sub] = scale;
         xs[2 * sub] = scale * (float)sum[0];
         xs[2 * sub + 1] = scale * (float)sum[1];
+        xs32[sub] = scale * (float)(sum[0] + sum[1]);
     }
 }
 
@@ -276,7 +308,6 @@ static inline float offset_dot(const float *m, const float *xs, int64_t halves) 
     return acc;
 }
 
-#if !QK_SIMD
 /* Portable path: the row decoded by decode_row, times one row of x. */
 static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
                             int is_signed) {
@@ -292,7 +323,6 @@ static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64
     }
     return acc + offset_dot(r->m, xq->xs + b * (K / 16), K / 16);
 }
-#endif
 
 static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
     if (out_dtype == QDT_F32)
@@ -301,13 +331,11 @@ static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
         ((uint16_t *)out)[idx] = q_f32_to_bf16(v);
 }
 
-#if !QK_SIMD
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
     for (int64_t b = 0; b < B; b++)
         store_out(out, b * out_stride + n, dot_row_scalar(r, xq, b, K, is_signed), out_dtype);
 }
-#endif
 
 #if QK_SIMD
 /*
@@ -550,7 +578,8 @@ static inline __attribute__((always_inline)) void fast_dequant_row(
 int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t row_bytes,
                           int type, int64_t N, int64_t K, int num_threads) {
     int elems, bytes;
-    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
+    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes ||
+        type == T_R4 || type == T_R8)
         return -2;
 #if QK_SIMD
     const size_t esize = out_dtype == QDT_F32 ? 4 : 2;
@@ -572,6 +601,90 @@ int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t ro
     return -2;
 #endif
 }
+
+#if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define QK_REPACK 1
+/*
+ * Rows of R4 / R8 times up to 4 rows of x. Per 16 sub-blocks: the 16 weight scales convert in
+ * one instruction, are multiplied by x's 16 scales and parked on the stack (each then feeds a
+ * broadcast), and the offsets' share m . xs32 is one vector FMA. Per sub-block what remains is
+ * a widen, a load of x, vpmaddwd, a conversion and an FMA.
+ */
+static inline __attribute__((always_inline)) void r_row(int TYPE, int NB, const uint8_t *row,
+                                                        const xquant_t *xq, int64_t b0, int64_t K,
+                                                        float *res) {
+    const int64_t nsub = K / 32;
+    const uint8_t *d16 = row + (TYPE == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
+    __m512 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) acc[i] = macc[i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < nsub; g0 += 16) {
+        const int cnt = nsub - g0 < 16 ? (int)(nsub - g0) : 16;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d16 + 2 * g0));
+        float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
+        for (int i = 0; i < NB; i++) {
+            const int64_t b = b0 + i;
+            const __m512 xd = _mm512_maskz_loadu_ps(mask, xq->d + b * nsub + g0);
+            _mm512_store_ps(sd[i], _mm512_mul_ps(dv, xd));
+            if (TYPE == T_R4) {
+                const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m16 + 2 * g0));
+                macc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xq->xs32 + b * nsub + g0),
+                                          macc[i]);
+            }
+        }
+        for (int t = 0; t < cnt; t += (TYPE == T_R4 ? 2 : 1)) {
+            const int64_t sub = g0 + t;
+            __m512i w0, w1 = _mm512_setzero_si512();
+            if (TYPE == T_R4) {
+                const __m256i v = load32(row + 16 * sub); /* sub-blocks sub, sub + 1 */
+                w0 = _mm512_cvtepu8_epi16(low_nibbles(v));
+                w1 = _mm512_cvtepu8_epi16(high_nibbles(v));
+            } else {
+                w0 = _mm512_cvtepi8_epi16(load32(row + 32 * sub));
+            }
+            for (int i = 0; i < NB; i++) {
+                const int16_t *x = xq->q + (b0 + i) * K + 32 * sub;
+                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w0, _mm512_loadu_si512(x)));
+                acc[i] = _mm512_fmadd_ps(p0, _mm512_set1_ps(sd[i][t]), acc[i]);
+                if (TYPE == T_R4) {
+                    const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512(x + 32)));
+                    acc[i] = _mm512_fmadd_ps(p1, _mm512_set1_ps(sd[i][t + 1]), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
+}
+
+#define R_NB(T, NB)                                                                    \
+    case NB:                                                                           \
+        r_row(T, NB, row, xq, b0, K, res);                                             \
+        break;
+
+static void r_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
+                   int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
+            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;
+            float res[FUSED_MAX_B] = {0};
+            if (type == T_R4) {
+                switch (nb) { R_NB(T_R4, 1) R_NB(T_R4, 2) R_NB(T_R4, 3) R_NB(T_R4, 4) }
+            } else {
+                switch (nb) { R_NB(T_R8, 1) R_NB(T_R8, 2) R_NB(T_R8, 3) R_NB(T_R8, 4) }
+            }
+            for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
+        }
+    }
+}
+#else
+#define QK_REPACK 0
+#endif
+
+/* Whether this build computes R4 / R8 rows on its fast path (else they take the portable one). */
+int quant_can_repack(void) { return QK_REPACK; }
 
 static void free_rows(row_t *rows, int threads) {
     for (int t = 0; t < threads; t++) {
@@ -609,22 +722,35 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     int elems, bytes;
     if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
         return -2;
-    xquant_t xq = {malloc(sizeof(int16_t) * (size_t)(B * K)), malloc(sizeof(float) * (size_t)(B * (K / 32))),
-                   malloc(sizeof(float) * (size_t)(B * (K / 16)))};
+    xquant_t xq = {malloc(sizeof(int16_t) * (size_t)(B * K)),
+                   malloc(sizeof(float) * (size_t)(B * (K / 32))),
+                   malloc(sizeof(float) * (size_t)(B * (K / 16))),
+                   malloc(sizeof(float) * (size_t)(B * (K / 32)))};
     int rc = 0;
-    if (!xq.q || !xq.d || !xq.xs) {
+    if (!xq.q || !xq.d || !xq.xs || !xq.xs32) {
         rc = -1;
         goto done;
     }
     const size_t esize = dtype == QDT_F32 ? 4 : 2;
     for (int64_t b = 0; b < B; b++)
         quantize_x_row((const char *)x + (size_t)(b * x_stride) * esize, K, dtype, xq.q + b * K,
-                       xq.d + b * (K / 32), xq.xs + b * (K / 16));
+                       xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
+    const int repacked = type == T_R4 || type == T_R8;
+    (void)repacked;
+#if QK_REPACK
+    if (repacked) {
+        r_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
+        goto done;
+    }
+#endif
 #if QK_SIMD
-    fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
-#else
-    const int is_signed = type == T_Q8_0;
+    if (!repacked) {
+        fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
+        goto done;
+    }
+#endif
+    const int is_signed = type == T_Q8_0 || type == T_R8;
     row_t *rows = alloc_rows(threads, K);
     if (rows == NULL) {
         rc = -1;
@@ -637,11 +763,11 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         row_times_x(r, &xq, B, K, is_signed, out, out_stride, n, out_dtype);
     }
     free_rows(rows, threads);
-#endif
 done:
     free(xq.q);
     free(xq.d);
     free(xq.xs);
+    free(xq.xs32);
     return rc;
 }
 
@@ -656,7 +782,7 @@ int quant_dequantize_rows(void *out, int out_dtype, const uint8_t *w, int64_t ro
     int elems, bytes;
     if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
         return -2;
-    const int is_signed = type == T_Q8_0;
+    const int is_signed = type == T_Q8_0 || type == T_R8;
     /* Q4_0 and Q6_K keep their -8 / -32 on the integer, as the reference does. */
     const int qoff = type == T_Q4_0 ? -8 : type == T_Q6_K ? -32 : 0;
     const int threads = n_ids * K >= QPARALLEL_MIN ? num_threads : 1;
