@@ -47,7 +47,14 @@ class UniProcExecutor(Executor):
         return Worker(self.config, rank=0, local_rank=0)
 
     def _on_worker_thread(self, fn: Callable[[], Any]) -> Any:
-        return worker_thread().submit(fn).result()
+        try:
+            future = worker_thread().submit(fn)
+        except RuntimeError:
+            # Interpreter exit: concurrent.futures' exit hook (run before atexit hooks, so
+            # before an engine's own) has stopped the pool and joined its thread, so running
+            # here cannot race it. An engine left for exit to close gets here.
+            return fn()
+        return future.result()
 
     def collective_rpc(
         self,

@@ -158,3 +158,24 @@ def test_failure_callback_runs_before_anyone_sees_the_death(executor):
     late = []
     executor.register_failure_callback(lambda: late.append(1))  # already failed: runs at once
     assert late == [1]
+
+
+def test_engine_left_for_exit_closes_quietly(tiny_llama_dir, tmp_path):
+    """A script that never calls shutdown(): the engine closes at exit, after the thread pools
+    stopped (concurrent.futures' exit hook runs before atexit's), with no traceback."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import shardserve\n"
+        f"llm = shardserve.LLM({str(tiny_llama_dir)!r}, dtype='float32', max_model_len=64)\n"
+        "out = llm.generate(['hi'], shardserve.SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "print('tokens', len(out[0].outputs[0].token_ids))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokens 2" in proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, \
+        proc.stderr[-2000:]
