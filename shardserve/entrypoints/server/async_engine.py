@@ -71,6 +71,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self._tokenizer = tokenizer  # what process_prompt encodes with
 
 
 class _OutputCollector:
