@@ -51,3 +51,21 @@ def test_collective_rpc_semantics(tiny_llama_dir):
 def test_tp3_on_the_default_model_equals_uni(default_model_path):
     tp3 = _generate(None, tensor_parallel_size=3, distributed_executor_backend="mp")
     assert tp3 == _generate(None)
+
+
+def test_tp3_with_quantized_blocks_equals_uni(default_model_path):
+    """quantization="gguf" under TP=3: each rank keeps its rows of the Q4_1 blocks (and its
+    whole-block column range of o_proj and down_proj). 3 prompts, so decode steps run the
+    integer kernel (4+ rows would take the dense copy)."""
+    def run(**kwargs) -> list[list[int]]:
+        llm = LLM(None, dtype="float32", quantization="gguf", max_model_len=256, **kwargs)
+        try:
+            layer = llm.collective_rpc(
+                lambda w: type(w.model_runner.model.model.layers[0].mlp.down_proj.qweight).__name__)
+            assert set(layer) == {"QuantWeight"}
+            outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+
+    assert run(tensor_parallel_size=3, distributed_executor_backend="mp") == run()
