@@ -233,13 +233,34 @@ class QuantWeight:
                 merged.append((offset, piece))
         return cls(tuple((off, repack(seg)) for off, seg in merged), rows, merged[0][1].cols)
 
+    def __post_init__(self) -> None:
+        # The batch-1 decode step calls a weight ~120 times: its one segment's kernel arguments
+        # are computed once (the tensors live as long as self).
+        _, seg = self.segments[0]
+        args = (seg.data.data_ptr(), seg.data.stride(0), seg.ggml_type, self.rows, self.cols)
+        object.__setattr__(self, "_single", args if len(self.segments) == 1 else None)
+
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N] in out_dtype (default x's dtype)."""
+        single = self._single  # type: ignore[attr-defined]
+        dtype = out_dtype or x.dtype
+        if single is not None and x.dim() == 2 and x.shape[0] < DENSE_MIN_ROWS and \
+                x.dtype in _OUT_DTYPES and dtype in _OUT_DTYPES and x.stride(1) == 1 and \
+                x.shape[1] == self.cols:
+            out = torch.empty(x.shape[0], self.rows, dtype=dtype)
+            ptr, stride, ggml_type, rows, cols = single
+            rc = native_kernels.lib().quant_matmul(
+                out.data_ptr(), rows, _OUT_DTYPES[dtype], x.data_ptr(), x.stride(0),
+                _OUT_DTYPES[x.dtype], ptr, stride, ggml_type, x.shape[0], rows, cols, _threads())
+            _check(rc, "quant_matmul")
+            return out
+        return self._matmul_general(x, dtype)
+
+    def _matmul_general(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype not in _OUT_DTYPES or x2.stride(-1) != 1:
             x2 = x2.float().contiguous()
-        dtype = out_dtype or x.dtype
         out = torch.empty(x2.shape[0], self.rows,
                           dtype=dtype if dtype in _OUT_DTYPES else torch.float32)
         for offset, seg in self.segments:
