@@ -28,7 +28,7 @@ import zmq
 
 from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.request import Request
+from shardserve.engine.input_processor import EngineCoreRequest
 from shardserve.messages import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class EngineRequest:
     """One message to the engine: "add" (request), "abort" (request_ids) or "shutdown"."""
 
     kind: str
-    request: Request | None = None
+    request: EngineCoreRequest | None = None
     request_ids: list[str] = field(default_factory=list)
 
 
@@ -177,8 +177,8 @@ class EngineCoreLoop:
                 return changed, False
             msg: EngineRequest = pickle.loads(frame.buffer)
             changed = True
-            if msg.kind == "add":
-                self.core.add_request(msg.request)
+            if msg.kind == "add" and msg.request is not None:
+                self.core.add_request(msg.request.to_request())
             elif msg.kind == "abort":
                 self.core.abort_requests(msg.request_ids)
             elif msg.kind == "shutdown":

@@ -40,9 +40,8 @@ from shardserve.engine.core_proc import (
     SchedulerStats,
     run_engine_core,
 )
-from shardserve.engine.llm_engine import LLMEngine, _child_params
+from shardserve.engine.input_processor import InputProcessor
 from shardserve.engine.output_processor import OutputProcessor
-from shardserve.engine.request import Request
 from shardserve.entrypoints.server.metrics import ServerMetrics
 from shardserve.errors import EngineDeadError
 from shardserve.model.loader import load_tokenizer
@@ -59,19 +58,6 @@ class QueueFullError(Exception):
     """Too many requests waiting for the engine: answered 503 with Retry-After."""
 
     retry_after_s = _RETRY_AFTER_S
-
-
-class InputProcessor:
-    """LLMEngine's prompt checks (the same messages), without an engine core behind them."""
-
-    process_prompt = LLMEngine.process_prompt
-    _check_prompt_ids = LLMEngine._check_prompt_ids
-    vocab_size = LLMEngine.vocab_size
-
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self._tokenizer = tokenizer  # what process_prompt encodes with
 
 
 class _OutputCollector:
@@ -303,20 +289,15 @@ class AsyncEngineClient:
     async def _add_request(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
     ) -> _OutputCollector:
-        text, ids = prompt
-        children = {
-            (request_id if params.n == 1 else f"{request_id}#{i}"): _child_params(params, i)
-            for i in range(params.n)
-        }
+        req = self.inputs.process(request_id, prompt, params)
+        ids, children = req.prompt_token_ids, req.children
         queue = _OutputCollector()
         self._queues[request_id] = queue
-        self.processor.add_request(request_id, text, ids, children)
+        self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
         self._tokens_since_log[0] += len(ids) * len(children)
-        eos = self.config.model_config.arch.eos_token_ids
-        for child_id, child_params in children.items():
-            req = Request(child_id, ids, child_params, eos_token_ids=eos)
-            await self._send(EngineRequest("add", request=req))
+        for core_request in req.core_requests():
+            await self._send(EngineRequest("add", request=core_request))
         return queue
 
     async def abort(self, request_id: str) -> None:

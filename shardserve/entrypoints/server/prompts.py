@@ -30,7 +30,7 @@ _CHARS_PER_TOKEN = 16
 class PromptPreparer:
     def __init__(self, inputs: Any, tokenizer: Any, max_model_len: int,
                  chat_template: str | None = None) -> None:
-        self.inputs = inputs  # async_engine.InputProcessor: the engine's prompt checks
+        self.inputs = inputs  # engine.input_processor.InputProcessor: the prompt checks
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.chat_template = chat_template  # --chat-template: instead of the model's own

@@ -1,0 +1,81 @@
+"""The one input processor every front end uses (LLM, the server, AsyncLLM), and the typed
+message that crosses to an engine core."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from pathlib import Path
+
+import pytest
+
+import shardserve
+from shardserve.config import EngineConfig
+from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor
+from shardserve.engine.request import Request
+from shardserve.model.loader import load_tokenizer
+from shardserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_llama_dir) -> InputProcessor:
+    config = EngineConfig.from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=16)
+    return InputProcessor(config, load_tokenizer(config.model_config.tokenizer_path))
+
+
+def test_prompt_forms(inputs):
+    text, ids = inputs.process_prompt("hello there")
+    assert text == "hello there" and ids == inputs.tokenizer.encode("hello there")
+    assert inputs.process_prompt({"prompt": "hello there"}) == (text, ids)
+    assert inputs.process_prompt({"prompt_token_ids": [3, 4]}) == (None, [3, 4])
+    assert inputs.process_prompt([5, 6]) == (None, [5, 6])
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], r"prompt is empty"),
+    (list(range(1, 18)), r"17 tokens, longer than max_model_len=16"),
+    ([1, 10**6], r"\[1000000\], outside the vocabulary"),
+    (3.5, r"prompt of type float is not supported"),
+])
+def test_bad_prompts_name_the_problem(inputs, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        inputs.process_prompt(prompt)
+
+
+def test_fan_out_gives_each_child_its_id_and_seed(inputs):
+    req = inputs.process("r", [1, 2, 3], SamplingParams(n=3, seed=10, max_tokens=2))
+    assert list(req.children) == ["r#0", "r#1", "r#2"]
+    assert [p.seed for p in req.children.values()] == [10, 11, 12]
+    assert all(p.n == 1 for p in req.children.values())
+    single = inputs.process("s", "hi", SamplingParams(max_tokens=2))
+    assert list(single.children) == ["s"]
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+        inputs.process("t", "hi", {"max_tokens": 2})  # type: ignore[arg-type]
+
+
+def test_core_request_crosses_as_a_plain_message(inputs):
+    req = inputs.process("r", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    messages = req.core_requests()
+    assert [m.request_id for m in messages] == ["r#0", "r#1"]
+    back = pickle.loads(pickle.dumps(messages[0]))
+    assert isinstance(back, EngineCoreRequest) and back == messages[0]
+    core_side = back.to_request()
+    assert isinstance(core_side, Request) and core_side.prompt_token_ids == [1, 2, 3]
+    assert core_side.eos_token_ids == inputs.config.model_config.arch.eos_token_ids
+
+
+def test_front_ends_share_it(tiny_llama_dir):
+    """LLM's engine checks with the same processor type; the server's API process builds no
+    engine-internal Request (it imports neither the request module nor LLMEngine)."""
+    llm = shardserve.LLM(str(tiny_llama_dir), dtype="float32", max_model_len=16)
+    try:
+        assert isinstance(llm.engine.inputs, InputProcessor)
+        with pytest.raises(ValueError, match="longer than max_model_len=16"):
+            llm.generate([list(range(1, 18))], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    source = Path(shardserve.__file__).parent / "entrypoints" / "server" / "async_engine.py"
+    imported = {node.module for node in ast.walk(ast.parse(source.read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    assert "shardserve.engine.request" not in imported
+    assert "shardserve.engine.llm_engine" not in imported
