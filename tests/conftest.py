@@ -6,10 +6,19 @@ sentences, and a randomly initialised float32 model saved as safetensors beside 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started with `&` from a shell without job control inherits SIGINT ignored, and so
+    # would every process the tests start (an ignored disposition survives exec): the Ctrl-C
+    # tests would then see their SIGINT dropped. A handler is reset to the default by exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
