@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _rounds import Rounds, make_prompts, rotated, spread
+from _rounds import Rounds, make_prompts, rotated, spread, timed
 
 from shardserve import LLM, SamplingParams
 from shardserve.model.loader import default_model_path
@@ -84,8 +84,8 @@ class ShardserveSide:
     def decode_rate(self, prompt: str, tokens: int) -> float:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         full = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        t1 = _timed(lambda: self.llm.generate([prompt], one, use_tqdm=False))
-        tn = _timed(lambda: self.llm.generate([prompt], full, use_tqdm=False))
+        t1 = timed(lambda: self.llm.generate([prompt], one, use_tqdm=False))
+        tn = timed(lambda: self.llm.generate([prompt], full, use_tqdm=False))
         return (tokens - 1) / max(tn - t1, 1e-9)
 
     def throughput(self, prompts: list[str], tokens: int) -> float:
@@ -142,12 +142,6 @@ class LlamaSide:
             pass
         self.proc.kill()
         self.proc.wait()
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def llama_available(python: str) -> bool:

@@ -297,23 +297,23 @@ def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch, keep_quantized
             values = dequantize(raw.reshape(*t.shape[:-1], -1), qtype)
         except NotImplementedError as e:
             raise ValueError(f"{gf.path}: tensor {t.name}: {qtype.name} is not supported") from e
-        values = values.reshape(t.shape)
-        if permute and ".attn_q." in t.name:
-            values = unpermute_rope_rows(values, arch.num_heads)
-        elif permute and ".attn_k." in t.name:
-            values = unpermute_rope_rows(values, arch.num_kv_heads)
+        values = hf_rows(t, values.reshape(t.shape))
         if not values.flags.writeable or values.dtype != np.float32:
             values = values.astype(np.float32)  # F32 tensors come back as views of the mmap
         return torch.from_numpy(np.ascontiguousarray(values))
 
     def _quantized(t: TensorInfo, raw: np.ndarray) -> QuantizedTensor:
         # Rows are whole blocks, so the Q/K row permutation moves byte rows as it moves values.
-        rows = raw.reshape(t.shape[0], -1)
-        if permute and ".attn_q." in t.name:
-            rows = unpermute_rope_rows(rows, arch.num_heads)
-        elif permute and ".attn_k." in t.name:
-            rows = unpermute_rope_rows(rows, arch.num_kv_heads)
+        rows = hf_rows(t, raw.reshape(t.shape[0], -1))
         return QuantizedTensor(raw_rows(rows, t.shape[0]), t.ggml_type, t.shape[1])
+
+    def hf_rows(t: TensorInfo, rows: np.ndarray) -> np.ndarray:
+        """Q/K rows back in HF's order (llama-arch files); other tensors unchanged."""
+        if permute and ".attn_q." in t.name:
+            return unpermute_rope_rows(rows, arch.num_heads)
+        if permute and ".attn_k." in t.name:
+            return unpermute_rope_rows(rows, arch.num_kv_heads)
+        return rows
 
     return load
 

@@ -142,12 +142,10 @@ class ColumnParallelLinear(MatmulLayer):
         size = self.local_sizes[idx]
         if full.shape[0] != self.full_sizes[idx]:
             raise ValueError(f"expected {self.full_sizes[idx]} output rows, got {full.shape[0]}")
-        if isinstance(full, QuantizedTensor):
-            if param is self.weight:
-                self.load_quantized(full.narrow_rows(self.tp_rank * size, size),
-                                    self.local_offsets[idx])
-                return
-            full = full.dequantize()  # a quantized bias: never seen, but not misread either
+        if isinstance(full, QuantizedTensor):  # a matrix (GGUF biases are 1-D: never blocks)
+            self.load_quantized(full.narrow_rows(self.tp_rank * size, size),
+                                self.local_offsets[idx])
+            return
         local = full.narrow(0, self.tp_rank * size, size)
         _copy_into_rows(param, local, self.local_offsets[idx])
 

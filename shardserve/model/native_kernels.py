@@ -166,8 +166,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_matmul": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
         "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
         "quant_dequantize_fast": [ptr, i32, ptr, i64, i32, i64, i64, i32],
+        "quant_can_repack": [],
     }
-    signatures["quant_can_repack"] = []
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = i32

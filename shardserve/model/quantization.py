@@ -3,8 +3,8 @@ output channel (`quantization="int8"`), and the matrix products computed from th
 csrc/quant_kernels.c (its header explains the scheme and the block layouts).
 
 A `QuantizedTensor` is a [rows, cols] matrix as GGML blocks: `data` is uint8 [rows, row_bytes],
-each row cols / block_elems blocks. Rows are independent, so tensor parallelism's output split
-and the Q/K row permutations move whole byte rows; an input split moves whole blocks and is
+a row being whole blocks. Rows are independent, so tensor parallelism's output split and the
+Q/K row permutations move whole byte rows; an input split moves whole blocks and is
 refused where it would cut one. int8 weights use the Q8_0 layout (32 int8 and an fp16 scale
 per block) with one scale per row, so one kernel serves both.
 """
@@ -35,14 +35,16 @@ R4, R8 = 1004, 1008
 _REPACKED: dict[int, tuple[str, int, int]] = {R4: ("R4", 32, 20), R8: ("R8", 32, 34)}
 
 
-def _layout(ggml_type: int) -> tuple[str, int, int]:
-    return GGML_TYPES.get(ggml_type) or _REPACKED[ggml_type]
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# From this many rows of x on, a product dequantizes the weight to x's dtype (into a reused
-# buffer) and runs the dense kernel: the int8 path pays a float scale per 32 weights and row of
-# x, which the dense GEMM does not (measured on AVX-512: the fused int8 kernel wins up to 3 rows).
+# From this many rows of x on, a product runs the dense kernel (on the layer's prepacked copy,
+# or dequantizing into a reused buffer): the integer path pays a float scale per 32 weights and
+# row of x, which the dense GEMM does not (measured on AVX-512: the integer kernel wins up to 3).
 DENSE_MIN_ROWS = 4
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
+
+
+def _layout(ggml_type: int) -> tuple[str, int, int]:
+    return GGML_TYPES.get(ggml_type) or _REPACKED[ggml_type]
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,6 @@ class QuantizedTensor:
     def type_name(self) -> str:
         """The GGUF type the values came in (a repacked tensor keeps its source's name)."""
         return GGML_TYPES[self.source_type or self.ggml_type][0]
-
-    @property
-    def block_elems(self) -> int:
-        return _layout(self.ggml_type)[1]
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
         return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
@@ -179,7 +177,8 @@ _scratch: dict[torch.dtype, torch.Tensor] = {}
 
 def dequantize_fast(w: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | None:
     """W as a [rows, cols] `dtype` view of a buffer reused by the next call (so use it before
-    dequantizing another weight); None where the CPU lacks AVX2 (the int8 path then runs)."""
+    dequantizing another weight); None where this build cannot (no AVX2, or repacked rows): the
+    integer path then runs."""
     numel = w.shape[0] * w.cols
     buf = _scratch.get(dtype)
     if buf is None or buf.numel() < numel:
