@@ -45,10 +45,11 @@ def _weight_param(rows: int, cols: int, dtype: torch.dtype, device) -> nn.Parame
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Rows of `weight` for `ids`; gathers columns of the storage when it is column-major."""
+    """Rows of `weight` for `ids`; gathers columns of the storage when it is column-major (and
+    returns them row-major: the first layer's norm and residual need dense rows)."""
     if weight.stride(-1) == 1:
         return F.embedding(ids, weight)
-    return weight.t().index_select(1, ids).t()
+    return weight.t().index_select(1, ids.reshape(-1)).t().contiguous().view(*ids.shape, -1)
 
 
 def _copy_into(param: nn.Parameter, src: torch.Tensor) -> None:

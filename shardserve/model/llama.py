@@ -27,6 +27,7 @@ from shardserve.model.attention import (
     RotaryEmbedding,
     paged_attention,
 )
+from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.layers import (
     MatmulLayer,
     MergedColumnParallelLinear,
@@ -160,6 +161,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, dtype, device
         )
+        self.dtype = dtype
+        self.reset_fused()
+
+    def reset_fused(self) -> None:
+        """Forget the fused decode table (weights are about to change); rebuilt on next use."""
+        self._fused: FusedDecode | None | bool = False  # False: not built yet
+
+    def _fused_decode(self) -> FusedDecode | None:
+        if self._fused is False:
+            self._fused = FusedDecode.build(list(self.layers), self.dtype)
+        return self._fused  # type: ignore[return-value]
 
     def forward(
         self,
@@ -180,8 +192,12 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"the stage starting at layer {self.start} needs the "
                                  f"previous stage's hidden states")
             x, residual = intermediate
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, cache, meta)
+        fused = self._fused_decode()
+        if fused is not None and fused.applies(meta, x):
+            x, residual = fused.run(x, residual, meta, rope, kv_caches)
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, rope, cache, meta)
         if not self.is_last:
             assert residual is not None  # every stage has at least one layer
             return x, residual
@@ -248,6 +264,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) HF tensors; each layer keeps its TP slice."""
+        self.model.reset_fused()
         self._set_packed(False)  # loaders write into the dense parameters
         params = dict(self.named_parameters())
         expected = _expected_pieces(params)

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
+# And a decode step through a stack of quantized layers in one call (fused_decode.py).
+DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 _FLAGS = (
@@ -94,7 +96,7 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c is always compiled in beside `source`."""
+    csrc/quant_kernels.c and csrc/decode_layers.c are always compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     return lib
@@ -116,7 +118,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE)
+    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE)
     source = b"".join(p.read_bytes() for p in sources)
     key = hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
@@ -167,6 +169,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
         "quant_dequantize_fast": [ptr, i32, ptr, i64, i32, i64, i64, i32],
         "quant_can_repack": [],
+        "decode_layers": [ptr, i64, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -1,0 +1,162 @@
+"""A decode step through a stage's whole stack of quantized decoder layers in one C call
+(csrc/decode_layers.c, whose header lists the per-layer sequence).
+
+Applies to steps whose rows are all decodes, fewer than `DENSE_MIN_ROWS` of them (the rows the
+integer kernels serve: larger batches take the dense kernels layer by layer), with one
+tensor-parallel rank (nothing to all-reduce between the products), the native kernels built,
+and every linear of every layer one quantized segment. The C side calls the same kernels the
+layer-by-layer path calls, in the same order, so the hidden states are bit-identical; what goes
+is ~2 ms of Python a step on the default model (SHARDSERVE_FUSED_DECODE=0 turns it off).
+
+The layer table (weight pointers, row strides, types) is built once per loaded model; the KV
+cache pointers are refreshed whenever the caches handed in change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardserve import envs
+from shardserve.distributed.parallel_state import get_tp_group
+from shardserve.model import native_kernels
+from shardserve.model.quantization import DENSE_MIN_ROWS
+
+if TYPE_CHECKING:
+    from shardserve.model.attention import AttentionMetadata, RopeStep
+    from shardserve.model.layers import MatmulLayer
+    from shardserve.model.llama import LlamaDecoderLayer
+
+_i64, _ptr, _f32, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("row_bytes", _i64), ("rows", _i64), ("type", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr),
+                ("kv_cache", _ptr), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
+                ("down", _Matrix)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("B", "hidden", "heads", "kv_heads", "head_dim",
+                                           "inter", "block_size", "bt_stride")] + \
+        [(name, _ptr) for name in ("positions", "slots", "block_table", "seq_lens",
+                                   "rope_table", "x", "residual", "h", "qkv", "attn",
+                                   "gate_up", "act")] + \
+        [("eps", _f32), ("scale", _f32), ("dtype", _i32), ("has_residual", _i32),
+         ("num_threads", _i32), ("unused", _i32)]
+
+
+def _matrix(layer: MatmulLayer) -> _Matrix | None:
+    """The kernel arguments of a one-segment quantized weight; None for anything else."""
+    qweight = layer.qweight
+    single = None if qweight is None else qweight._single  # type: ignore[attr-defined]
+    if single is None:
+        return None
+    ptr, row_bytes, ggml_type, rows, _ = single
+    return _Matrix(ptr, row_bytes, rows, ggml_type)
+
+
+class FusedDecode:
+    """The layer table of one stage, and the call that runs a decode step through it."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], dtype: torch.dtype,
+                 table: ctypes.Array) -> None:
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.dtype = dtype
+        self.table = table
+        self.num_layers = len(layers)
+        self.hidden = first.input_layernorm.weight.shape[0]
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.inter = mlp.local_inter
+        self.eps = first.input_layernorm.eps
+        self._layers = layers  # the table points into their tensors
+        self._cache_ptrs: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
+        """The fused path for these layers, or None where it does not apply."""
+        if not layers or not envs.fused_decode() or dtype not in _DTYPES or \
+                get_tp_group().world_size != 1 or \
+                not native_kernels.supports(dtype, torch.device("cpu")):
+            return None
+        entries = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mats = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            bias = attn.qkv_proj.bias
+            tensors = [*norms] + ([] if bias is None else [bias])
+            if any(m is None for m in mats) or attn.o_proj.bias is not None or any(
+                t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
+                for t in tensors
+            ):
+                return None
+            entries.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
+                                  None if bias is None else bias.data_ptr(), None, *mats))
+        return cls(layers, dtype, (_Layer * len(entries))(*entries))
+
+    def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
+        """Whether this step can run fused: decode rows only, in flat order, few enough."""
+        g = meta.decode
+        return (
+            g is not None and meta.prefill is None and g.query_index is None
+            and meta.output_index is None and meta.num_tokens < DENSE_MIN_ROWS
+            and x.dtype == self.dtype and x.device.type == "cpu"
+        )
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+            rope: RopeStep, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack's (hidden, residual) output for the decode step's input x [B, hidden]."""
+        self._point_at(kv_caches)
+        b = x.shape[0]
+        g = meta.decode
+        assert g is not None
+        # Both are written in place: never the caller's tensors (the residual is updated in
+        # place on the layer-by-layer path too, but x may be a buffer the caller reuses).
+        x = x.contiguous().clone()
+        out_residual = torch.empty_like(x) if residual is None else residual.contiguous()
+        new = lambda n: torch.empty(b, n, dtype=self.dtype)  # noqa: E731
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        scratch = [new(self.hidden), new(q_size + 2 * kv_size), new(q_size),
+                   new(2 * self.inter), new(self.inter)]
+        blocks = g.blocks.contiguous()
+        index_tensors = [meta.positions.contiguous(), meta.slot_mapping.contiguous(), blocks,
+                         g.seq_lens.contiguous()]
+        rope_table = torch.view_as_real(rope.table).contiguous()
+        step = _Step(
+            b, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
+            kv_caches[0].shape[1], blocks.numel() // b,
+            *(t.data_ptr() for t in index_tensors), rope_table.data_ptr(), x.data_ptr(),
+            out_residual.data_ptr(), *(t.data_ptr() for t in scratch),
+            self.eps, self.head_dim**-0.5, _DTYPES[self.dtype], int(residual is not None),
+            torch.get_num_threads(), 0,
+        )
+        rc = native_kernels.lib().decode_layers(self.table, self.num_layers, ctypes.byref(step))
+        if rc:
+            raise MemoryError(f"decode_layers: kernel error {rc} (out of scratch memory)")
+        return x, out_residual
+
+    def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs == self._cache_ptrs:
+            return
+        slot = 2 * self.kv_heads * self.head_dim
+        for cache in kv_caches:
+            if cache.dtype != self.dtype or not cache.is_contiguous() or \
+                    cache[0, 0].numel() != slot or cache.device.type != "cpu":
+                raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not fit "
+                                 f"the fused decode path ({self.dtype}, {slot} per slot)")
+        if len(ptrs) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV caches, got {len(ptrs)}")
+        for entry, ptr in zip(self.table, ptrs, strict=True):
+            entry.kv_cache = ptr
+        self._cache_ptrs = ptrs
