@@ -11,6 +11,7 @@ import torch
 
 from shardserve.config import ModelConfig
 from shardserve.model import native_kernels
+from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
@@ -84,3 +85,39 @@ def test_reload_rebuilds_the_table(tiny_llama_dir: Path) -> None:
     again, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size)
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+
+
+def test_pipeline_stages_bit_identical(tiny_llama_dir: Path) -> None:
+    """A later stage starts from the previous stage's (hidden, residual) pair."""
+    arch = ModelConfig(model=str(tiny_llama_dir)).arch
+    stages = []
+    for layer_range in ((0, 1), (1, 2)):
+        stage = LlamaForCausalLM(arch, torch.float32, layer_range=layer_range,
+                                 quantization="int8")
+        stage.load_weights(iter_weights(tiny_llama_dir))
+        stages.append(stage.eval())
+    whole = load(tiny_llama_dir, torch.float32, "int8")
+    whole.model._fused = None
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    caches = [allocate_kv_cache(1, 16, 4, arch.num_kv_heads, arch.head_dim, torch.float32)
+              for _ in stages]
+    ref = PagedRunner(whole, block_size=4, num_blocks=16, check_last_rows=False)
+    ref.free = list(range(16))[::-1]  # the same blocks as below: 0, 1, 2, ...
+    ref.step([(f"r{i}", p) for i, p in enumerate(prompts)])
+    tables = [ref.tables[f"r{i}"] for i in range(3)]
+    assert tables == [[0, 1], [2], [3]]
+    meta = AttentionMetadata.build([5, 2, 3], [5, 2, 3], tables, 4)
+    ids = torch.tensor([t for p in prompts for t in p])
+    with torch.inference_mode():
+        pair = stages[0](ids, meta, caches[0])
+        stages[1](ids, meta, caches[1], intermediate=pair)
+        for step in range(3):
+            ids = torch.tensor([20 + step, 21 + step, 22 + step])
+            want = torch.cat(ref.step([(f"r{i}", [int(t)]) for i, t in enumerate(ids)]))
+            lens = [len(p) + step + 1 for p in prompts]
+            tables = [ref.tables[f"r{i}"] for i in range(3)]
+            meta = AttentionMetadata.build([1, 1, 1], lens, tables, 4)
+            pair = stages[0](ids, meta, caches[0])
+            got = stages[1].compute_logits(stages[1](ids, meta, caches[1], intermediate=pair))
+            assert torch.equal(got, want)
+    assert all(isinstance(s.model._fused, FusedDecode) for s in stages)
