@@ -1,7 +1,8 @@
 """shardserve (each quantization) against llama.cpp on the same GGUF file, on this CPU, in one run.
 
     python bench/cpu_vs_llamacpp.py [--rounds 3] [--model PATH.gguf] [--threads 2]
-        [--sides gguf,none-bf16,none-f32,int8] [--llama-python PATH] [--llama-requests 4]
+        [--sides gguf,gguf-layerwise,none-bf16,none-f32,int8] [--llama-python PATH]
+        [--llama-requests 4]
 
 llama.cpp's side needs llama-cpp-python (the `bench` extra pins 0.3.36). Build it for this CPU:
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,7 +43,11 @@ SIDES = {  # side -> LLM / CLI options
     "none-bf16": {"quantization": "none", "dtype": "bfloat16"},
     "none-f32": {"quantization": "none", "dtype": "float32"},
     "int8": {"quantization": "int8", "dtype": "auto"},
+    "gguf-layerwise": {"quantization": "gguf", "dtype": "auto"},
 }
+# Sides that differ by a tuning knob: gguf with its decode steps layer by layer from Python
+# instead of one C call through the stack (model/fused_decode.py), to show what that call gains.
+SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"}}
 LLAMA = "llama.cpp"
 COLUMNS = ("cold start s", "batch-1 tok/s", "64x128 tok/s")
 _LLAMA_COLD = """
@@ -53,10 +59,11 @@ print("first token", flush=True)
 """
 
 
-def first_line_time(cmd: list[str], marker: str) -> float:
+def first_line_time(cmd: list[str], marker: str, env: dict[str, str] | None = None) -> float:
     """Seconds from spawning cmd to the first stdout line containing marker."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})})
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
@@ -71,7 +78,18 @@ def first_line_time(cmd: list[str], marker: str) -> float:
 class ShardserveSide:
     def __init__(self, name: str, model: str, threads: int) -> None:
         self.name, self.model, self.options = name, model, SIDES[name]
-        self.llm = LLM(model, max_model_len=1024, max_num_seqs=64, **self.options)
+        self.env = SIDE_ENV.get(name, {})
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:  # the knob is read when the model first decodes
+            self.llm = LLM(model, max_model_len=1024, max_num_seqs=64, **self.options)
+            self.llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         self.threads = threads
 
     def cold_start(self) -> float:
@@ -79,7 +97,7 @@ class ShardserveSide:
         base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
         flags = [f"--{k}={v}" for k, v in self.options.items()]
         return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model",
-                                self.model, *flags], "--- output 1")
+                                self.model, *flags], "--- output 1", self.env)
 
     def decode_rate(self, prompt: str, tokens: int) -> float:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
