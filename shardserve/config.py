@@ -234,15 +234,26 @@ class ParallelConfig:
     ray_use_compiled_graph: bool | None = None
     """ray backend: run model steps through a Ray Compiled Graph instead of actor calls. None:
     only where cores outnumber workers (compiled-graph readers poll, about a core each)."""
+    data_parallel_size: int = 1
+    """Engine replicas, each an engine core in its own process with its own executor (and its
+    own tensor_parallel_size x pipeline_parallel_size ranks); requests go to the least loaded.
+    Replicas on one machine split its cores and its CPU KV-cache budget."""
+    data_parallel_backend: str = "mp"
+    """How replicas start: "mp" (local processes). "ray" is not built yet (refused)."""
     pp_layer_partition: str | None = None
     """Decoder layers per pipeline stage, comma-separated ("10,10,10"; a list of ints is taken
     too); they must sum to the model's layer count, each >= 1. None: split evenly (earlier
     stages take the remainder)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
+        _check(
+            self.data_parallel_backend == "mp",
+            f"data_parallel_backend={self.data_parallel_backend!r}: only 'mp' (local engine "
+            f"processes) is built; replicas as Ray placement groups are not yet",
+        )
         if isinstance(self.pp_layer_partition, list | tuple):  # kept as text: hashable, printable
             text = ",".join(str(n) for n in self.pp_layer_partition)
             object.__setattr__(self, "pp_layer_partition", text)

@@ -82,6 +82,7 @@ class EngineCore:
             num_stages=config.parallel_config.pipeline_parallel_size,
         )
         self.dead = False
+        self.sleep_level = 0  # 0 awake; else the level of the last sleep()
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: deque[_InFlight] = deque()
         model = config.model_config
@@ -227,6 +228,7 @@ class EngineCore:
             raise RuntimeError("sleep() needs an idle engine; finish or abort the requests first")
         self._flush_finished()
         self.executor.sleep(level)
+        self.sleep_level = level
 
     def _flush_finished(self) -> None:
         """Tell the workers about requests that finished after the last step (sleep() runs
@@ -238,6 +240,12 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.executor.wake_up(tags)
+        # Awake once both are back (level 1 freed only the KV cache).
+        if tags is None or "kv_cache" in tags and ("weights" in tags or self.sleep_level == 1):
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def shutdown(self) -> None:
         self.structured.shutdown()

@@ -1,11 +1,14 @@
 """The engine-core process: EngineCore in a busy loop, fed and drained over ZMQ.
 
-    API server ──PUSH (EngineRequest)──▶ input socket ──▶ busy loop: drain, step()
-    API server ◀──PULL (EngineOutputs)── output socket ◀───┘
+    front end ──PUSH (EngineRequest)──▶ input socket i ──▶ engine core i: drain, step()
+    front end ◀──PULL (EngineOutputs)── output socket ◀───┘   (every replica pushes to it)
 
-The API server binds both ipc:// sockets (in its private temp dir) and this process connects.
-Messages are pickled small dataclasses. Every message out carries the scheduler's stats, so the
-server's /metrics never needs a round trip.
+The front end (the API server, or a multi-process client of `LLM`) binds the ipc:// sockets in
+its private temp dir, one input socket per data-parallel replica and one output socket they all
+connect to; each message out names its replica (`engine_index`). Messages are pickled small
+dataclasses. Every message out carries the scheduler's stats (and how many requests the core
+has taken in, so the front end knows which of its adds the figures include): /metrics and the
+load balancing never need a round trip.
 
 Liveness, both ways: the server watches this process's sentinel; this process polls the read end
 of a "death pipe" whose write end only the server holds, so EOF there means the server is gone
@@ -37,13 +40,33 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
 
 
+# What a front end may call on an engine core by name ("utility" messages).
+UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc"})
+
+
+@dataclass
+class UtilityCall:
+    call_id: int
+    method: str  # one of UTILITY_METHODS
+    args: tuple = ()
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception, as "Type: message"
+
+
 @dataclass
 class EngineRequest:
-    """One message to the engine: "add" (request), "abort" (request_ids) or "shutdown"."""
+    """One message to the engine: "add" (request), "abort" (request_ids), "utility" (call) or
+    "shutdown"."""
 
     kind: str
     request: EngineCoreRequest | None = None
     request_ids: list[str] = field(default_factory=list)
+    call: UtilityCall | None = None
 
 
 @dataclass
@@ -54,6 +77,26 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # totals since start (tokens)
     prefix_cache_hits: int = 0
+    requests_added: int = 0  # "add" messages applied since start
+
+
+def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """Data-parallel replicas' figures added up (KV usage: their mean)."""
+    total = SchedulerStats()
+    for s in replicas:
+        for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
+                     "prefix_cache_hits", "requests_added"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+    total.kv_cache_usage = sum(s.kv_cache_usage for s in replicas) / max(1, len(replicas))
+    return total
+
+
+def scheduler_stats(core: Any, requests_added: int = 0) -> SchedulerStats:
+    """The figures an EngineCore reports with every message."""
+    sched = core.scheduler
+    return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
+                          sched.total_preemptions, sched.kv.stats.queries, sched.kv.stats.hits,
+                          requests_added)
 
 
 @dataclass
@@ -64,6 +107,8 @@ class EngineOutputs:
     stats: SchedulerStats
     timestamp: float = field(default_factory=time.monotonic)
     dead_error: str | None = None
+    engine_index: int = 0  # the data-parallel replica that sent it
+    utility: UtilityResult | None = None  # the answer to a "utility" message
 
 
 @dataclass(frozen=True)
@@ -73,7 +118,8 @@ class EngineAddresses:
 
 
 def run_engine_core(
-    config: EngineConfig, addrs: EngineAddresses, ready: Connection, death: Connection
+    config: EngineConfig, addrs: EngineAddresses, ready: Connection, death: Connection,
+    engine_index: int = 0,
 ) -> None:
     """Process entry point (spawn). Reports "ready" (or the start-up error) on `ready`."""
     # Ctrl-C reaches the whole process group: the API server coordinates shutdown, so we ignore
@@ -82,7 +128,8 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _raise_system_exit)
     logging.basicConfig(level=envs.log_level(),
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
-    _set_title("shardserve::engine_core")
+    _set_title("shardserve::engine_core" if engine_index == 0 else
+               f"shardserve::engine_core_{engine_index}")
     from shardserve.engine.core import EngineCore
 
     try:
@@ -93,7 +140,7 @@ def run_engine_core(
     loop = None
     try:
         ready.send(("ready", core.kv_cache_config.num_blocks))
-        loop = EngineCoreLoop(core, addrs, death)
+        loop = EngineCoreLoop(core, addrs, death, engine_index)
         loop.run()
     finally:
         core.shutdown()
@@ -116,9 +163,12 @@ def _set_title(title: str) -> None:
 
 
 class EngineCoreLoop:
-    def __init__(self, core: Any, addrs: EngineAddresses, death: Connection) -> None:
+    def __init__(self, core: Any, addrs: EngineAddresses, death: Connection,
+                 engine_index: int = 0) -> None:
         self.core = core
         self.death = death
+        self.engine_index = engine_index
+        self.requests_added = 0
         self.orphaned = False  # the API server died without telling us
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -152,7 +202,7 @@ class EngineCoreLoop:
             busy = self.core.has_unfinished_requests()
             events = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
             if self.death.fileno() in events:
-                logger.info("the API server is gone; shutting down")
+                logger.info("the front end is gone; shutting down")
                 self.orphaned = True
                 return
             if self.core.executor.is_failed:
@@ -179,10 +229,26 @@ class EngineCoreLoop:
             changed = True
             if msg.kind == "add" and msg.request is not None:
                 self.core.add_request(msg.request.to_request())
+                self.requests_added += 1
             elif msg.kind == "abort":
                 self.core.abort_requests(msg.request_ids)
+            elif msg.kind == "utility" and msg.call is not None:
+                self._send(EngineOutputs([], self._stats(), utility=self._call(msg.call)))
             elif msg.kind == "shutdown":
                 return changed, True
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        """Run a front end's call on the core; an error goes back to the caller, the engine
+        stays up."""
+        if call.method not in UTILITY_METHODS:
+            return UtilityResult(call.call_id, error=f"ValueError: {call.method!r} is not one of "
+                                                     f"{sorted(UTILITY_METHODS)}")
+        try:
+            if call.method == "collective_rpc":
+                return UtilityResult(call.call_id, self.core.executor.collective_rpc(*call.args))
+            return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
     def _step(self) -> bool:
         """Run one step and send its outputs; False once the engine is dead (reported)."""
@@ -196,13 +262,11 @@ class EngineCoreLoop:
         return True
 
     def _stats(self) -> SchedulerStats:
-        sched = self.core.scheduler
-        return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
-                              sched.total_preemptions, sched.kv.stats.queries,
-                              sched.kv.stats.hits)
+        return scheduler_stats(self.core, self.requests_added)
 
     def _report_dead(self, error: str) -> None:
         self._send(EngineOutputs([], self._stats(), dead_error=error))
 
     def _send(self, msg: EngineOutputs) -> None:
+        msg.engine_index = self.engine_index
         self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)

@@ -1,6 +1,7 @@
-"""LLMEngine: the front end of one engine — input checks, tokenization, outputs — over EngineCore.
+"""LLMEngine: the synchronous front end — input checks, tokenization, outputs — over its engine
+cores: one in this process, or `data_parallel_size` in processes of their own (core_client.py).
 
-Everything that can be wrong with a request is checked here, before it reaches the core, so a bad
+Everything that can be wrong with a request is checked here, before it reaches a core, so a bad
 request raises a ValueError for its caller and never disturbs the requests already running.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core import EngineCore
+from shardserve.engine.core_client import EngineCoreClient, InprocClient, make_client
 from shardserve.engine.input_processor import InputProcessor, PromptType
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.model.tokenizer import EngineTokenizer
@@ -31,7 +33,7 @@ class LLMEngine:
         self._tokenizer = EngineTokenizer(config.model_config.tokenizer_path,
                                           config.model_config.trust_remote_code)
         self.inputs = InputProcessor(config, self._tokenizer)
-        self.core = EngineCore(config)
+        self.client: EngineCoreClient = make_client(config)
         self.processor = OutputProcessor(self._tokenizer, stream=stream)
         self._ids = itertools.count()
         self._warned_max_tokens = False
@@ -40,6 +42,15 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
         """vLLM's constructor: from an EngineArgs (shardserve.EngineArgs)."""
         return cls(engine_args.create_engine_config())
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core, where it runs in this process (data_parallel_size=1)."""
+        if not isinstance(self.client, InprocClient):
+            raise RuntimeError(
+                f"with data_parallel_size={self.config.parallel_config.data_parallel_size} the "
+                f"engine cores run in processes of their own; there is no in-process core")
+        return self.client.core
 
     @property
     def tokenizer(self) -> Any:
@@ -69,8 +80,7 @@ class LLMEngine:
         req = self.inputs.process(request_id, prompt, params)
         self._warn_if_cut(len(req.prompt_token_ids), params.max_tokens)
         self.processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.children)
-        for core_request in req.core_requests():
-            self.core.add_request(core_request.to_request())
+        self.client.add_requests(req.core_requests())
 
     def _warn_if_cut(self, prompt_len: int, max_tokens: int | None) -> None:
         """Once per engine: max_tokens past max_model_len (the server answers it with a 400;
@@ -89,21 +99,21 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for rid in request_ids:
-            self.core.abort_requests(self.processor.child_ids(rid))
+            self.client.abort_requests(self.processor.child_ids(rid))
             out = self.processor.abort(rid)
             if out is not None:
                 outputs.append(out)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self.processor.has_unfinished()
+        return self.client.has_unfinished_requests() or self.processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.processor.process(self.core.step())
+        outputs, to_abort = self.processor.process(self.client.get_output())
         if to_abort:
-            self.core.abort_requests(to_abort)
+            self.client.abort_requests(to_abort)
         return outputs
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        self.client.shutdown()
 

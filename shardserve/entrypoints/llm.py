@@ -144,26 +144,31 @@ class LLM:
 
     def get_metrics(self) -> dict[str, float]:
         """Engine counters since start: prefix-cache queries and hits (prompt tokens) and the
-        hit rate, preemptions, running and waiting requests."""
-        scheduler = self.engine.core.scheduler
-        stats = scheduler.kv.stats
-        return {"prefix_cache_queries": stats.queries, "prefix_cache_hits": stats.hits,
-                "prefix_cache_hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
-                "num_preemptions": scheduler.total_preemptions,
-                "num_requests_running": scheduler.num_running,
-                "num_requests_waiting": scheduler.num_waiting}
+        hit rate, preemptions, running and waiting requests (summed over data-parallel
+        replicas, as they last reported)."""
+        replicas = self.engine.client.stats()
+        queries = sum(s.prefix_cache_queries for s in replicas)
+        hits = sum(s.prefix_cache_hits for s in replicas)
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                "num_preemptions": sum(s.num_preemptions for s in replicas),
+                "num_requests_running": sum(s.num_running for s in replicas),
+                "num_requests_waiting": sum(s.num_waiting for s in replicas)}
 
     def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs=None
     ) -> list[Any]:
-        """Call a method on every worker (a name, or a callable taking the worker first)."""
-        return self.engine.core.executor.collective_rpc(method, timeout, args, kwargs)
+        """Call a method on every worker (a name, or a callable taking the worker first); with
+        data parallelism, every replica's workers in replica order (a callable must then be
+        importable by name in the engine processes, e.g. a module-level function)."""
+        per_replica = self.engine.client.call("collective_rpc", method, timeout, args, kwargs)
+        return [result for replica in per_replica for result in replica]
 
     def sleep(self, level: int = 1) -> None:
-        self.engine.core.sleep(level)
+        self.engine.client.call("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.engine.core.wake_up(tags)
+        self.engine.client.call("wake_up", tags)
 
     def shutdown(self) -> None:
         self._finalizer()

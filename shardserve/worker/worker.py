@@ -54,14 +54,19 @@ class Worker:
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
+    @property
+    def ranks_on_machine(self) -> int:
+        """This machine's ranks over every data-parallel replica (replicas are local)."""
+        return self.local_world_size * self.config.parallel_config.data_parallel_size
+
     def init_device(self) -> None:
         if self.config.device_config.device == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         threads = envs.num_threads()
-        if threads == 0 and self.local_world_size > 1 and self.device.type == "cpu":
+        if threads == 0 and self.ranks_on_machine > 1 and self.device.type == "cpu":
             # Ranks sharing a machine split its cores; oversubscription makes every step slower.
-            threads = max(1, len(os.sched_getaffinity(0)) // self.local_world_size)
+            threads = max(1, len(os.sched_getaffinity(0)) // self.ranks_on_machine)
         if threads > 0:
             torch.set_num_threads(threads)
         if self.world_size > 1:
@@ -99,7 +104,7 @@ class Worker:
             return int(free * cache.kv_cache_memory_fraction)
         # Ranks on one machine share its memory.
         free = psutil.virtual_memory().available
-        return int(free * cache.kv_cache_memory_fraction / self.local_world_size)
+        return int(free * cache.kv_cache_memory_fraction / self.ranks_on_machine)
 
     def get_kv_cache_block_bytes(self) -> int:
         return self._runner().kv_cache_block_bytes()

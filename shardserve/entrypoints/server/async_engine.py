@@ -1,12 +1,14 @@
-"""AsyncEngineClient: the API server's side of the engine-core process.
+"""AsyncEngineClient: the API server's side of the engine-core processes (one per data-parallel
+replica, core_launcher.py; requests go to the least loaded, dp_router.py).
 
 Tokenization happens in `add_request`, detokenization in the outputs loop (an asyncio task that
 reads the output socket and feeds the OutputProcessor), so both overlap the engine's model steps.
 Each request gets an _OutputCollector: outputs are cumulative, so a newer one replaces one the
 client has not taken yet, and a request holds one output however slowly its client reads.
 
-Failure: a "dead" message from the engine, or its process exiting (sentinel readable), marks the
-client dead; every collector receives the EngineDeadError, so every open request ends at once, and
+Failure: a "dead" message from an engine core, or any engine process exiting (sentinel
+readable), marks the client dead (one replica down fails the whole engine, as a worker does);
+every collector receives the EngineDeadError, so every open request ends at once, and
 new requests are refused with it; then `on_dead` (the server's exit) runs.
 
 Admission (`max_queued`): engine requests beyond the engine's batch (`max_num_seqs`) wait in its
@@ -20,26 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import pickle
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.core_proc import (
-    EngineAddresses,
-    EngineOutputs,
-    EngineRequest,
-    SchedulerStats,
-    run_engine_core,
-)
+from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess, describe_exit
+from shardserve.engine.core_proc import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
+from shardserve.engine.dp_router import ReplicaRouter
 from shardserve.engine.input_processor import InputProcessor
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.entrypoints.server.metrics import ServerMetrics
@@ -50,7 +44,6 @@ from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_JOIN_S = 2.5  # engine process: time to stop its workers and exit before we kill it
 _RETRY_AFTER_S = 1
 
 
@@ -99,82 +92,39 @@ class AsyncEngineClient:
         self.processor = OutputProcessor(self.tokenizer, stream=True,
                                          stream_interval=stream_interval)
         self.metrics = ServerMetrics()
-        self.stats = SchedulerStats()
         self.dead_error: str | None = None
         self._queues: dict[str, _OutputCollector] = {}
         self._closing = False
         self._draining = False  # a stop signal came: refuse new requests, end open ones
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tmpdir = tempfile.mkdtemp(prefix="shardserve-server-")
-        self.addrs = EngineAddresses(f"ipc://{self._tmpdir}/in", f"ipc://{self._tmpdir}/out")
+        self.num_replicas = config.parallel_config.data_parallel_size
+        self.router = ReplicaRouter(self.num_replicas)
+        self.metrics.set_replicas(self.num_replicas)
         self._ctx: zmq.asyncio.Context | None = None
         self._outputs_task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._tokens_since_log = [0, 0]  # prompt, generated
-        self._start_process(start_timeout_s)
-
-    # ---- engine process ----
-    def _start_process(self, timeout_s: float) -> None:
-        """Spawn the engine core and wait until it has loaded the model (or failed to)."""
-        mp = multiprocessing.get_context("spawn")
-        ready_r, ready_w = mp.Pipe(duplex=False)
-        self._death_r, self._death_w = mp.Pipe(duplex=False)
-        self.proc = mp.Process(
-            target=run_engine_core,
-            args=(self.config, self.addrs, ready_w, self._death_r),
-            name="shardserve-engine-core",
-            daemon=False,  # it starts worker processes of its own
-        )
-        self.proc.start()
-        ready_w.close()
-        self._death_r.close()  # only the child may hold the read end: EOF there = we are gone
-        try:
-            self._wait_ready(ready_r, timeout_s)
-        except BaseException:
-            self._stop_process()
-            raise
-        finally:
-            ready_r.close()
-
-    def _wait_ready(self, ready: Any, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready.poll(0.1):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up "
-                                   f"(exit code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine did not start within {timeout_s:.0f} s")
-        try:
-            status, detail = ready.recv()
-        except EOFError as e:
-            raise RuntimeError("the engine process exited during start-up") from e
-        if status != "ready":
-            raise ValueError(f"the engine failed to start: {detail}")
-        logger.info("engine core ready (pid %d, %s KV blocks)", self.proc.pid, detail)
-
-    def _stop_process(self) -> None:
-        """Wait for the engine to exit (it stops its workers), then SIGTERM, then SIGKILL."""
-        self._death_w.close()  # EOF on the death pipe: exit even if no "shutdown" arrived
-        start = time.monotonic()
-        self.proc.join(_JOIN_S)
-        for stop in (self.proc.terminate, self.proc.kill):
-            if not self.proc.is_alive():
-                break
-            logger.warning("the engine process did not exit in time; stopping it")
-            stop()
-            self.proc.join(1.0)
-        logger.info("engine process stopped in %.2f s", time.monotonic() - start)
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        # Spawns every replica's engine core and waits until each has loaded its model.
+        self.group = EngineCoreGroup(config, start_timeout_s)
 
     # ---- lifecycle (inside the event loop) ----
+    @property
+    def stats(self) -> SchedulerStats:
+        """The replicas' latest figures, summed."""
+        return sum_stats(self.router.stats)
+
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.bind(self.addrs.input_addr)
+        self._ins = []
+        for addr in self.group.input_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.bind(addr)
+            self._ins.append(sock)
         self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(self.addrs.output_addr)
+        self._out.bind(self.group.output_addr)
         loop = self._loop = asyncio.get_running_loop()
-        loop.add_reader(self.proc.sentinel, self._on_process_exit)
+        for proc in self.group.procs:
+            loop.add_reader(proc.sentinel, self._on_process_exit, proc)
         self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
         if not self.config.observability_config.disable_log_stats:
             self._stats_task = asyncio.create_task(self._log_stats_loop(), name="log-stats")
@@ -184,12 +134,15 @@ class AsyncEngineClient:
         if self._closing:
             return
         self._closing = True
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        if self._ctx is not None and self.proc.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._in.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
-        await asyncio.to_thread(self._stop_process)
+        for proc in self.group.procs:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._ctx is not None:
+            for sock, proc in zip(self._ins, self.group.procs, strict=True):
+                if proc.proc.is_alive():
+                    with contextlib.suppress(zmq.ZMQError):
+                        await sock.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
+        await asyncio.to_thread(self.group.stop)
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._outputs_task is not None:
@@ -197,10 +150,7 @@ class AsyncEngineClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._outputs_task
         self._fail_all("the server is shutting down")
-        if self._ctx is not None:
-            self._in.close(linger=0)
-            self._out.close(linger=0)
-            self._ctx.term()
+        self.close_sockets()
 
     def begin_drain(self, timeout_s: float) -> None:
         """From a signal handler: refuse new requests, let open ones finish, and after
@@ -232,13 +182,13 @@ class AsyncEngineClient:
         """For paths where the event loop never ran (start-up failed or was interrupted)."""
         if not self._closing:
             self._closing = True
-            self._stop_process()
+            self.group.stop()
 
     def close_sockets(self) -> None:
-        """After shutdown_sync, outside the loop: close the ZMQ sockets the loop opened."""
+        """After shutdown (or shutdown_sync outside the loop): close the ZMQ sockets."""
         if self._ctx is not None and not self._ctx.closed:
-            self._in.close(linger=0)
-            self._out.close(linger=0)
+            for sock in [*self._ins, self._out]:
+                sock.close(linger=0)
             self._ctx.term()
 
     @property
@@ -257,7 +207,8 @@ class AsyncEngineClient:
         self.check_alive()
         if self.max_queued is None:
             return
-        waiting = self._num_engine_requests - self.config.scheduler_config.max_num_seqs
+        batch = self.config.scheduler_config.max_num_seqs * self.num_replicas
+        waiting = self._num_engine_requests - batch
         if max(waiting, 0) + num_engine_requests > self.max_queued:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFullError(
@@ -296,19 +247,30 @@ class AsyncEngineClient:
         self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
         self._tokens_since_log[0] += len(ids) * len(children)
-        for core_request in req.core_requests():
-            await self._send(EngineRequest("add", request=core_request))
+        core_requests = req.core_requests()
+        replica = self.router.assign([r.request_id for r in core_requests])
+        for core_request in core_requests:
+            await self._send(replica, EngineRequest("add", request=core_request))
         return queue
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.processor.child_ids(request_id)
         self.processor.abort(request_id)
         self.metrics.on_finished(child_ids, "abort")
-        if child_ids and not self._closing and self.dead_error is None:
-            await self._send(EngineRequest("abort", request_ids=child_ids))
+        await self._abort_children(child_ids)
 
-    async def _send(self, msg: EngineRequest) -> None:
-        await self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+    async def _abort_children(self, child_ids: list[str]) -> None:
+        """Tell each owning replica; the ids stop counting as open either way."""
+        owners = self.router.by_owner(child_ids)
+        self.router.finished(child_ids)
+        if self._closing or self.dead_error is not None:
+            return
+        for replica, ids in owners.items():
+            await self._send(replica, EngineRequest("abort", request_ids=ids))
+
+    async def _send(self, replica: int, msg: EngineRequest) -> None:
+        await self._ins[replica].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL),
+                                      copy=False)
 
     # ---- outputs ----
     async def _outputs_loop(self) -> None:
@@ -318,7 +280,8 @@ class AsyncEngineClient:
                 msg: EngineOutputs = pickle.loads(frame.buffer)
                 self._handle(msg)
                 if msg.dead_error is not None:
-                    self._mark_dead(f"the engine died: {msg.dead_error}")
+                    self._mark_dead(f"the engine died: {self._name(msg.engine_index)}"
+                                    f"{msg.dead_error}")
                     return
         except asyncio.CancelledError:
             raise
@@ -326,9 +289,13 @@ class AsyncEngineClient:
             logger.exception("engine outputs loop failed")
             self._mark_dead(f"the engine outputs loop failed: {e}")
 
+    def _name(self, replica: int) -> str:
+        return f"engine core {replica}: " if self.num_replicas > 1 else ""
+
     def _handle(self, msg: EngineOutputs) -> None:
-        self.stats = msg.stats
-        self.metrics.on_stats(msg.stats)
+        self.router.on_stats(msg.engine_index, msg.stats)
+        self.metrics.on_stats(msg.engine_index, msg.stats)
+        self.router.finished([o.request_id for o in msg.outputs if o.finished])
         if not msg.outputs:
             return
         now = time.monotonic()
@@ -337,8 +304,7 @@ class AsyncEngineClient:
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:  # stop strings, found during detokenization
             self.metrics.on_finished(to_abort, "stop")
-            asyncio.get_running_loop().create_task(
-                self._send(EngineRequest("abort", request_ids=to_abort)))
+            asyncio.get_running_loop().create_task(self._abort_children(to_abort))
         for out in results:
             queue = self._queues.get(out.request_id)
             if queue is not None:
@@ -360,14 +326,10 @@ class AsyncEngineClient:
                     prompt / elapsed, generated / elapsed, stats.num_running,
                     stats.num_waiting, 100 * stats.kv_cache_usage)
 
-    def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        # The sentinel turns readable as the process ends, a moment before its exit status can
-        # be collected: reap it first (bounded), so the message names the status, not "None".
-        self.proc.join(timeout=1.0)
-        if not self._closing:
-            self._mark_dead(f"the engine process exited unexpectedly (exit code "
-                            f"{self.proc.exitcode})")
+    def _on_process_exit(self, proc: EngineCoreProcess) -> None:
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if not self._closing:  # describe_exit reaps it first (bounded), to name the status
+            self._mark_dead(describe_exit(proc))
 
     def _mark_dead(self, error: str) -> None:
         first = self.dead_error is None and not self._closing

@@ -30,14 +30,18 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Gauges per data-parallel replica (label `engine`, its index); counters summed.
         self.running = Gauge("shardserve:num_requests_running",
-                             "Requests in the running batch.", registry=r)
+                             "Requests in the running batch.", ["engine"], registry=r)
         self.waiting = Gauge("shardserve:num_requests_waiting",
-                             "Requests waiting to be scheduled.", registry=r)
+                             "Requests waiting to be scheduled.", ["engine"], registry=r)
         self.kv_usage = Gauge("shardserve:kv_cache_usage_perc",
-                              "Fraction of KV-cache blocks in use (0 to 1).", registry=r)
+                              "Fraction of KV-cache blocks in use (0 to 1).", ["engine"],
+                              registry=r)
         self.preemptions = Gauge("shardserve:num_preemptions",
-                                 "Preemptions since start.", registry=r)
+                                 "Preemptions since start.", ["engine"], registry=r)
+        self.replicas = Gauge("shardserve:data_parallel_size",
+                              "Engine replicas serving requests.", registry=r)
         self.prompt_tokens = Counter("shardserve:prompt_tokens",
                                      "Prompt tokens of requests received.", registry=r)
         self.generation_tokens = Counter("shardserve:generation_tokens",
@@ -59,18 +63,27 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter("shardserve:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.", registry=r)
-        self._prefix_seen = (0, 0)  # the engine's totals last applied
+        self._prefix_seen: dict[int, tuple[int, int]] = {}  # each engine's totals last applied
         self._timings: dict[str, _Timing] = {}
 
-    def on_stats(self, stats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.preemptions.set(stats.num_preemptions)
+    def set_replicas(self, num_replicas: int) -> None:
+        """Show every replica's gauges (zero until it reports) and how many there are."""
+        self.replicas.set(num_replicas)
+        for i in range(num_replicas):
+            for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
+                gauge.labels(engine=str(i))
+
+    def on_stats(self, engine: int, stats) -> None:
+        label = str(engine)
+        self.running.labels(engine=label).set(stats.num_running)
+        self.waiting.labels(engine=label).set(stats.num_waiting)
+        self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
+        self.preemptions.labels(engine=label).set(stats.num_preemptions)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
-        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
-        self._prefix_seen = (queries, hits)
+        seen_queries, seen_hits = self._prefix_seen.get(engine, (0, 0))
+        self.prefix_queries.inc(max(0, queries - seen_queries))
+        self.prefix_hits.inc(max(0, hits - seen_hits))
+        self._prefix_seen[engine] = (queries, hits)
 
     def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None:
         now = time.monotonic()

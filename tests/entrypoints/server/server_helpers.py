@@ -79,7 +79,7 @@ class Server:
     def _socket_dir(self) -> str:
         """The private directory of the ZMQ ipc:// sockets between server and engine."""
         for conn in psutil.Process(self.proc.pid).net_connections(kind="unix"):
-            if conn.laddr and "shardserve-server-" in conn.laddr:
+            if conn.laddr and "shardserve-engine-" in conn.laddr:
                 return os.path.dirname(conn.laddr)
         raise AssertionError("the server binds no ipc:// socket")
 

@@ -230,8 +230,8 @@ def test_metrics_count_what_was_served(client, tiny_server):
     assert delta("shardserve:e2e_request_latency_seconds_sum") >= \
         delta("shardserve:time_to_first_token_seconds_sum")
     # Every request finished: nothing is left running or holding KV blocks.
-    assert after["shardserve:num_requests_running"] == 0
-    assert after["shardserve:kv_cache_usage_perc"] == 0
+    assert after['shardserve:num_requests_running{engine="0"}'] == 0
+    assert after['shardserve:kv_cache_usage_perc{engine="0"}'] == 0
 
 
 def test_32_concurrent_streams(tiny_server, tiny_offline):

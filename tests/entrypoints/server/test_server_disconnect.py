@@ -46,9 +46,9 @@ def gated_server(tiny_llama_dir, gate, tmp_path_factory):
 
 def _idle(server: Server) -> bool:
     m = server.metrics()
-    return (m["shardserve:num_requests_running"] == 0
-            and m["shardserve:num_requests_waiting"] == 0
-            and m["shardserve:kv_cache_usage_perc"] == 0)
+    return (m['shardserve:num_requests_running{engine="0"}'] == 0
+            and m['shardserve:num_requests_waiting{engine="0"}'] == 0
+            and m['shardserve:kv_cache_usage_perc{engine="0"}'] == 0)
 
 
 def _run_and_leave(server: Server, gate: StepGate, leave) -> None:
@@ -60,7 +60,8 @@ def _run_and_leave(server: Server, gate: StepGate, leave) -> None:
                > before.get("shardserve:generation_tokens_total", 0), "the first token")
     m = server.metrics()
     assert 1 <= gate.started() <= allowed  # the gated worker runs the steps
-    assert m["shardserve:num_requests_running"] == 1 and m["shardserve:kv_cache_usage_perc"] > 0
+    assert m['shardserve:num_requests_running{engine="0"}'] == 1
+    assert m['shardserve:kv_cache_usage_perc{engine="0"}'] > 0
     leave()
     wait_until(lambda: server.metric(ABORTED, 0) == before.get(ABORTED, 0) + 1,
                "the server to abort the request of the client that left")
