@@ -6,10 +6,13 @@ sentences, and a randomly initialised float32 model saved as safetensors beside 
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -162,3 +165,42 @@ def hf_default_model_bf16(default_model_path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.bfloat16
     ).eval()
+
+
+def our_children() -> list[psutil.Process]:
+    """Live child processes, except multiprocessing's resource tracker (one per interpreter)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
+                p.cmdline()
+            ):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def our_segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if "shardserve" in n]
+
+
+@pytest.fixture()
+def no_leftovers():
+    """Processes and segments the test created are gone at its end (others' may live on, e.g.
+    a server another module keeps for the whole session)."""
+    before_segments = set(our_segments())
+    before_children = {p.pid for p in our_children()}
+
+    def new_children() -> list[psutil.Process]:
+        return [p for p in our_children() if p.pid not in before_children]
+
+    yield
+    # A hang-catcher, not a speed claim: a clean exit ends the wait at once.
+    deadline = time.monotonic() + 30
+    while (new_children() or set(our_segments()) - before_segments) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not new_children(), [p.cmdline() for p in new_children()]
+    assert not set(our_segments()) - before_segments

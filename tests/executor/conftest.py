@@ -1,13 +1,12 @@
-"""Fault tests leave nothing behind: no worker process, no shared-memory segment of ours."""
+"""Executor tests: the exit-status fix for Ray, and models shared by the PP tests (the
+no_leftovers fixture, for fault tests, is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
@@ -33,45 +32,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)
-
-
-def our_children() -> list[psutil.Process]:
-    """Live child processes, except multiprocessing's resource tracker (one per interpreter)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
-                p.cmdline()
-            ):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def our_segments() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if "shardserve" in n]
-
-
-@pytest.fixture()
-def no_leftovers():
-    """Processes and segments the test created are gone at its end (others' may live on, e.g.
-    a server another module keeps for the whole session)."""
-    before_segments = set(our_segments())
-    before_children = {p.pid for p in our_children()}
-
-    def new_children() -> list[psutil.Process]:
-        return [p for p in our_children() if p.pid not in before_children]
-
-    yield
-    # A hang-catcher, not a speed claim: a clean exit ends the wait at once.
-    deadline = time.monotonic() + 30
-    while (new_children() or set(our_segments()) - before_segments) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.05)
-    assert not new_children(), [p.cmdline() for p in new_children()]
-    assert not set(our_segments()) - before_segments
 
 
 @pytest.fixture(scope="module")
