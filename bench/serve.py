@@ -125,11 +125,12 @@ def tree_cpu_s(pid: int) -> tuple[float, float]:
     return cpu(root), sum(cpu(p) for p in root.children(recursive=True))
 
 
-def start_server(args: argparse.Namespace, floor: bool = False
+def start_server(args: argparse.Namespace, floor: bool = False, extra: tuple[str, ...] = ()
                  ) -> tuple[subprocess.Popen, str]:
     """The server process and its URL; it binds a port the OS picks (--port 0) and writes the
     port to --port-file once it serves, so no other process can take it in between. `floor`:
-    the floor prototype (bench/_floor_server.py) instead of `shardserve serve`."""
+    the floor prototype (bench/_floor_server.py) instead of `shardserve serve`; `extra`: more
+    flags for it."""
     opts = engine_options(args)
     port_file = tempfile.mktemp(prefix="shardserve-bench-port-")
     common = ["--port-file", port_file, "--dtype", opts["dtype"], "--max-model-len",
@@ -143,6 +144,7 @@ def start_server(args: argparse.Namespace, floor: bool = False
                str(args.stream_interval)]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += list(extra)
     # The server's log goes to a file: an unread pipe could fill up and stall it.
     log = tempfile.NamedTemporaryFile(prefix="shardserve-bench-", suffix=".log", delete=False)
     print(f"server log: {log.name}", flush=True)
