@@ -82,6 +82,13 @@ def host_ip() -> str | None:
     return os.environ.get("SHARDSERVE_HOST_IP") or None
 
 
+def cluster_secret() -> str | None:
+    """SHARDSERVE_CLUSTER_SECRET: the secret every TCP connection between shardserve processes
+    proves knowledge of (CurveZMQ keys derived from it, ipc/curve_auth.py). Unset: each queue
+    makes a random one, handed to its readers with the queue's handle."""
+    return os.environ.get("SHARDSERVE_CLUSTER_SECRET") or None
+
+
 def shm_allreduce() -> bool:
     """SHARDSERVE_SHM_ALLREDUCE: CPU tensor-parallel ranks on one machine sum through shared
     memory instead of gloo (default on; 0 to compare against gloo)."""

@@ -24,6 +24,7 @@ from typing import Any
 from shardserve import envs
 from shardserve.ipc import serialization as ser
 from shardserve.ipc import wakeup
+from shardserve.ipc.curve_auth import CurveKeys
 from shardserve.ipc.errors import PeerGone, QueueClosed
 from shardserve.ipc.shm_ring import RingLayout, ShmRing
 from shardserve.ipc.waiting import BoundedWait
@@ -34,6 +35,9 @@ _yield = os.sched_yield
 _POLL_SKIP_FACTOR = 4
 
 _CLOSE_WAIT_S = 2.0  # how long close() waits for an operation in another thread to unwind
+# A remote reader gives up on a writer whose connection has been down this long (a dead
+# process's connection closes at once; a vanished host's after the heartbeat timeout).
+_REMOTE_WRITER_GRACE_S = 5.0
 _OVERFLOW = object()
 
 
@@ -52,6 +56,7 @@ class Handle:
     name: str
     recheck_s: float
     warn_interval_s: float
+    curve: CurveKeys | None = None  # a remote reader's keys (ipc/curve_auth.py); no secret
 
 
 class MessageQueue:
@@ -76,9 +81,10 @@ class MessageQueue:
             if n_local_reader else None
         try:
             if n_local_reader:
-                self._local_pub = Publisher("ipc")
+                self._local_pub = Publisher("ipc", name=self.name, n_reader=n_local_reader)
             if n_reader > n_local_reader:
-                self._remote_pub = Publisher("tcp", connect_ip or envs.host_ip() or _host_ip())
+                self._remote_pub = Publisher("tcp", connect_ip or envs.host_ip() or _host_ip(),
+                                             name=self.name, n_reader=n_reader)
         except BaseException:
             self._release()
             raise
@@ -113,7 +119,9 @@ class MessageQueue:
                       self._ring.name if self._ring else None,
                       self._local_pub.addr if self._local_pub else None,
                       self._remote_pub.addr if self._remote_pub else None,
-                      os.getpid(), self.name, self.recheck_s, self.warn_interval_s)
+                      os.getpid(), self.name, self.recheck_s, self.warn_interval_s,
+                      self._remote_pub.keys.for_reader()
+                      if self._remote_pub and self._remote_pub.keys else None)
 
     @classmethod
     def create_from_handle(cls, handle: Handle, rank: int, *, name: str | None = None,
@@ -141,7 +149,8 @@ class MessageQueue:
                 self._ring.register_reader(rank)
             addr = handle.local_addr if local else handle.remote_addr
             assert addr is not None
-            self._sub = Subscriber(addr, rank)
+            self._remote_addr = addr
+            self._sub = Subscriber(addr, rank, None if local else handle.curve)
         except BaseException:
             self._release()
             raise
@@ -354,7 +363,12 @@ class MessageQueue:
                 f"(waiting for message {n})")
 
     def _check_writer_alive(self) -> None:
-        if self._ring is None:
+        if self._ring is None:  # a remote reader: is the connection to the writer up?
+            gone = self._sub.writer_gone_for() if self._sub is not None else 0.0
+            if gone > _REMOTE_WRITER_GRACE_S:
+                raise PeerGone(f"{self._who()}: the writer at {self._remote_addr} has been "
+                               f"unreachable for {gone:.1f} s (its process exited, or the "
+                               f"network between us is down)")
             return
         pid, start, closed = self._ring.writer_info()
         if not closed and not wakeup.process_alive(pid, start):

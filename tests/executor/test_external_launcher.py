@@ -10,12 +10,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import our_segments
 
 from shardserve import LLM, SamplingParams
 from shardserve.config import EngineConfig
 from shardserve.executor.abstract import Executor
 from shardserve.executor.external_launcher import ExternalLauncherExecutor
+from tests.conftest import our_segments
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello, world! How are"]
 PARAMS = [  # greedy, and seeded random sampling (which must not diverge across ranks)

@@ -84,3 +84,13 @@ def leaky_writer(conn: Any) -> None:
     """Creates a writer and exits without closing it: the exit handler must unlink it."""
     mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name="leaky")
     conn.send(mq.export_handle().shm_name)
+
+
+def remote_writer_then_hang(conn: Any) -> None:
+    """writer_then_hang with one remote (TCP) reader and no local one."""
+    mq = MessageQueue(1, 0, name="doomed-remote", connect_ip="127.0.0.1")
+    conn.send(mq.export_handle())
+    mq.wait_until_ready(timeout=30)
+    mq.enqueue("first")
+    conn.send(os.getpid())
+    time.sleep(120)
