@@ -10,9 +10,10 @@ only after the CURVE handshake proves that the peer holds the client secret key:
       └─ HMAC-SHA256(secret, "shardserve-curve-client") -> client secret key -> client public key
 
 The writer's socket is a CURVE server with the server keys; a ZAP handler (one authenticator
-thread per process, on the shared ZMQ context) admits a client only if its long-term public key
-is the one derived for that queue (ZAP domain = the queue's). Readers get the client keys and
-the server's public key in the queue's handle, never the secret itself. A peer without them
+thread per process, a daemon on the shared ZMQ context, kept once started) admits a client only
+if its long-term public key is the one derived for that queue (ZAP domain = the queue's).
+Readers get the client keys and the server's public key in the queue's handle, never the
+secret itself. A peer without them
 never completes the handshake: libzmq gives it no pipe, so it receives nothing and cannot slow
 the writer; it is dropped when the handshake interval runs out.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import threading
 from dataclasses import dataclass
@@ -111,18 +113,23 @@ def _common(sock: zmq.Socket) -> None:
 
 class _Gate:
     """The process's ZAP handler: which client key each domain admits. Started with the first
-    secured socket, stopped with the last, on the context the queue's sockets use."""
+    secured socket on the context the queue's sockets use, and kept (a daemon thread): a handler
+    stopped and restarted at once can collide with its predecessor's ZAP endpoint, which libzmq
+    releases only after the old socket is reaped."""
 
     _lock = threading.Lock()
     _allowed: dict[str, bytes] = {}
     _auth: ThreadAuthenticator | None = None
+    _pid = 0  # the process that started _auth (a forked child starts its own)
 
     @classmethod
     def admit(cls, domain: str, client_public: bytes) -> None:
         with cls._lock:
-            if cls._auth is None:
+            if cls._auth is None or cls._pid != os.getpid():
+                cls._allowed = {}
                 cls._auth = ThreadAuthenticator(zmq.Context.instance(), log=logger)
                 cls._auth.start()
+                cls._pid = os.getpid()
             cls._allowed[domain] = client_public
             cls._auth.configure_curve_callback(domain, credentials_provider=cls)
 
@@ -140,6 +147,3 @@ class _Gate:
     def release(cls, domain: str) -> None:
         with cls._lock:
             cls._allowed.pop(domain, None)
-            if not cls._allowed and cls._auth is not None:
-                cls._auth.stop()
-                cls._auth = None
