@@ -14,12 +14,14 @@ Stop: the front end closes the death pipe (and usually sends "shutdown" first), 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import shutil
 import tempfile
 import threading
 import time
+import weakref
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core_proc import EngineAddresses, run_engine_core
@@ -92,40 +94,70 @@ class EngineCoreProcess:
 
 
 class EngineCoreGroup:
-    """The engine-core processes of one front end and the ipc:// addresses they use."""
+    """The engine-core processes of one front end, by replica index, and the ipc:// addresses
+    they use (one input socket each, one output socket for all)."""
 
     def __init__(self, config: EngineConfig, start_timeout_s: float) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="shardserve-engine-")
-        n = config.parallel_config.data_parallel_size
         self.output_addr = f"ipc://{self.tmpdir}/out"
-        self.input_addrs = [f"ipc://{self.tmpdir}/in{i}" for i in range(n)]
-        self.procs: list[EngineCoreProcess] = []
+        self.procs: dict[int, EngineCoreProcess] = {}
+        # A front end that is never shut down must not hang the interpreter's exit:
+        # multiprocessing joins non-daemon children at exit, and ours wait for their death
+        # pipe. Registered after multiprocessing's own hook, so it runs first.
+        self._finalizer = weakref.finalize(self, _stop_and_remove, self.procs, self.tmpdir)
+        atexit.register(self._finalizer)
         try:
-            for i, addr in enumerate(self.input_addrs):
-                addrs = EngineAddresses(addr, self.output_addr)
-                self.procs.append(EngineCoreProcess(config, addrs, i))
-            deadline = time.monotonic() + start_timeout_s
-            for proc in self.procs:
-                proc.wait_ready(deadline)
+            self.start(config, range(config.parallel_config.data_parallel_size),
+                       start_timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def sentinels(self) -> dict[int, EngineCoreProcess]:
-        return {p.sentinel: p for p in self.procs}
+    def input_addr(self, index: int) -> str:
+        return f"ipc://{self.tmpdir}/in{index}"
 
-    def exited(self) -> list[EngineCoreProcess]:
-        return [p for p in self.procs if not p.proc.is_alive()]
+    def start(self, config: EngineConfig, indices: range | list[int],
+              timeout_s: float) -> None:
+        """Start replicas `indices` together; on a failure the ones started here are stopped
+        and the error raised."""
+        new = []
+        try:
+            for i in indices:
+                new.append(EngineCoreProcess(config, EngineAddresses(self.input_addr(i),
+                                                                     self.output_addr), i))
+            deadline = time.monotonic() + timeout_s
+            for proc in new:
+                proc.wait_ready(deadline)
+        except BaseException:
+            _stop_all(new)
+            raise
+        self.procs.update({p.engine_index: p for p in new})
+
+    def stop_one(self, index: int) -> None:
+        """Stop one replica (it was told to shut down, or is to be killed) and forget it."""
+        self.procs.pop(index).stop()
+
+    def sentinels(self) -> dict[int, EngineCoreProcess]:
+        return {p.sentinel: p for p in self.procs.values()}
 
     def stop(self) -> None:
         """Stop every process (in parallel: each has its own deadline), remove the sockets."""
-        threads = [threading.Thread(target=p.stop, name=f"stop-{p.engine_index}")
-                   for p in self.procs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+
+def _stop_and_remove(procs: dict[int, EngineCoreProcess], tmpdir: str) -> None:
+    _stop_all(list(procs.values()))
+    procs.clear()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _stop_all(procs: list[EngineCoreProcess]) -> None:
+    threads = [threading.Thread(target=p.stop, name=f"stop-{p.engine_index}") for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def describe_exit(proc: EngineCoreProcess) -> str:

@@ -6,6 +6,10 @@ core had applied: `requests_added`). So a burst of requests arriving between two
 spread instead of piling onto the replica that looked idle. Ties go to the replica that was sent
 the fewest requests. All children of one request (`n` > 1) go to one replica (they share the
 prompt's KV blocks through its prefix cache), and aborts go to the owner.
+
+Re-scaling: replicas are keyed by index. A replica being removed is `draining`: it takes no new
+request and leaves once it owns none (`drained()` names those ready to stop); a scale-up before
+then takes it back instead of starting another.
 """
 
 from __future__ import annotations
@@ -13,30 +17,62 @@ from __future__ import annotations
 from shardserve.engine.core_proc import SchedulerStats
 
 
+class NoReplicaError(RuntimeError):
+    """No replica can take a request now (all asleep)."""
+
+
 class ReplicaRouter:
     def __init__(self, num_replicas: int) -> None:
-        self.num_replicas = num_replicas
-        self.stats = [SchedulerStats() for _ in range(num_replicas)]
-        self.sent = [0] * num_replicas
+        self.stats: dict[int, SchedulerStats] = {}
+        self.sent: dict[int, int] = {}
+        self.draining: set[int] = set()
+        self.asleep: set[int] = set()  # put to sleep: no new request until woken
         self.owner: dict[str, int] = {}
+        for i in range(num_replicas):
+            self.add_replica(i)
+
+    @property
+    def replicas(self) -> list[int]:
+        """Every replica, serving or draining, by index."""
+        return sorted(self.stats)
+
+    @property
+    def serving(self) -> list[int]:
+        return [i for i in self.replicas if i not in self.draining]
+
+    def add_replica(self, index: int) -> None:
+        self.stats[index] = SchedulerStats()
+        self.sent[index] = 0
+
+    def remove_replica(self, index: int) -> None:
+        """Forget a stopped replica (it owns nothing: see drained())."""
+        for table in (self.stats, self.sent):
+            table.pop(index, None)
+        self.draining.discard(index)
+        self.asleep.discard(index)
 
     def load(self, replica: int) -> int:
         s = self.stats[replica]
         return s.num_waiting + s.num_running + self.sent[replica] - s.requests_added
 
     def pick(self) -> int:
-        return min(range(self.num_replicas), key=lambda i: (self.load(i), self.sent[i]))
+        awake = [i for i in self.serving if i not in self.asleep]
+        if not awake:
+            raise NoReplicaError("every engine replica is asleep; wake one up first (wake_up, "
+                                 "or POST /wake_up on the server)")
+        return min(awake, key=lambda i: (self.load(i), self.sent[i]))
 
     def assign(self, request_ids: list[str]) -> int:
         """The replica for one request's children (all of them), recorded as their owner."""
-        replica = self.pick() if self.num_replicas > 1 else 0
+        replica = self.pick()
         for rid in request_ids:
             self.owner[rid] = replica
         self.sent[replica] += len(request_ids)
         return replica
 
     def on_stats(self, replica: int, stats: SchedulerStats) -> None:
-        self.stats[replica] = stats
+        if replica in self.stats:
+            self.stats[replica] = stats
 
     def finished(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -50,6 +86,11 @@ class ReplicaRouter:
             if replica is not None:
                 groups.setdefault(replica, []).append(rid)
         return groups
+
+    def drained(self) -> list[int]:
+        """Draining replicas that own no request any more: ready to stop."""
+        busy = set(self.owner.values())
+        return sorted(i for i in self.draining if i not in busy)
 
     @property
     def num_open(self) -> int:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from shardserve import LLM, EngineDeadError, SamplingParams
-from shardserve.engine.core_client import InprocClient, MPClient
+from shardserve.engine.core_client import InprocClient
+from shardserve.engine.mp_client import MPClient
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from pp_oracle import assert_matches_hf  # noqa: E402

@@ -17,7 +17,7 @@ def test_reported_load_counts_and_included_adds_are_not_counted_twice() -> None:
     router = ReplicaRouter(2)
     for i in range(4):
         router.owner[f"old{i}"] = 0
-    router.sent = [4, 0]
+    router.sent = {0: 4, 1: 0}
     # Replica 0 has taken in all 4 adds and runs them; replica 1 is idle.
     router.on_stats(0, SchedulerStats(num_running=4, requests_added=4))
     assert router.load(0) == 4 and router.load(1) == 0

@@ -60,7 +60,7 @@ def test_async_llm_generate_equals_offline(tiny_llama_dir):
     offline.shutdown()
     engine = shardserve.AsyncLLM.from_engine_args(
         shardserve.AsyncEngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=64))
-    pid = engine._client.group.procs[0].proc.pid
+    pid = engine._client.replicas.group.procs[0].proc.pid
 
     async def one(prompt: str, rid: str) -> list[int]:
         last = None

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.engine.dp_router import NoReplicaError
+from shardserve.entrypoints.server.admin import ADMIN_PATHS, add_admin_routes
 from shardserve.entrypoints.server.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
 from shardserve.entrypoints.server.limits import ServerLimits
@@ -57,6 +59,7 @@ def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
     if api_key:
         _add_api_key_check(app, api_key)
     _add_routes(app, serving)
+    add_admin_routes(app, client, api_key)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     return app
 
@@ -130,7 +133,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in ADMIN_PATHS:
             given = dict(scope.get("headers", [])).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = JSONResponse(
@@ -150,6 +154,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def queue_full(request: HTTPRequest, exc: QueueFullError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503),
                             status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(NoReplicaError)
+    async def no_replica(request: HTTPRequest, exc: NoReplicaError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503),
+                            status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: HTTPRequest, exc: EngineDeadError) -> JSONResponse:

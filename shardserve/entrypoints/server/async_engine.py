@@ -22,20 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import AsyncIterator, Callable
-
-import zmq
-import zmq.asyncio
+from typing import Any
 
 from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess, describe_exit
+from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
 from shardserve.engine.core_proc import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
-from shardserve.engine.dp_router import ReplicaRouter
 from shardserve.engine.input_processor import InputProcessor
 from shardserve.engine.output_processor import OutputProcessor
+from shardserve.entrypoints.server.engine_replicas import AsyncReplicas
 from shardserve.entrypoints.server.metrics import ServerMetrics
 from shardserve.errors import EngineDeadError
 from shardserve.model.loader import load_tokenizer
@@ -97,34 +94,23 @@ class AsyncEngineClient:
         self._closing = False
         self._draining = False  # a stop signal came: refuse new requests, end open ones
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.num_replicas = config.parallel_config.data_parallel_size
-        self.router = ReplicaRouter(self.num_replicas)
-        self.metrics.set_replicas(self.num_replicas)
-        self._ctx: zmq.asyncio.Context | None = None
         self._outputs_task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._tokens_since_log = [0, 0]  # prompt, generated
         # Spawns every replica's engine core and waits until each has loaded its model.
-        self.group = EngineCoreGroup(config, start_timeout_s)
+        self.replicas = AsyncReplicas(config, start_timeout_s)
+        self.router = self.replicas.router
+        self.metrics.set_replicas(len(self.router.serving), self.router.replicas)
 
     # ---- lifecycle (inside the event loop) ----
     @property
     def stats(self) -> SchedulerStats:
         """The replicas' latest figures, summed."""
-        return sum_stats(self.router.stats)
+        return sum_stats(list(self.router.stats.values()))
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._ins = []
-        for addr in self.group.input_addrs:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.bind(addr)
-            self._ins.append(sock)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(self.group.output_addr)
-        loop = self._loop = asyncio.get_running_loop()
-        for proc in self.group.procs:
-            loop.add_reader(proc.sentinel, self._on_process_exit, proc)
+        self._loop = asyncio.get_running_loop()
+        await self.replicas.start(self._on_process_exit)
         self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
         if not self.config.observability_config.disable_log_stats:
             self._stats_task = asyncio.create_task(self._log_stats_loop(), name="log-stats")
@@ -134,15 +120,7 @@ class AsyncEngineClient:
         if self._closing:
             return
         self._closing = True
-        for proc in self.group.procs:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(proc.sentinel)
-        if self._ctx is not None:
-            for sock, proc in zip(self._ins, self.group.procs, strict=True):
-                if proc.proc.is_alive():
-                    with contextlib.suppress(zmq.ZMQError):
-                        await sock.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
-        await asyncio.to_thread(self.group.stop)
+        await self.replicas.stop()
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._outputs_task is not None:
@@ -150,7 +128,6 @@ class AsyncEngineClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._outputs_task
         self._fail_all("the server is shutting down")
-        self.close_sockets()
 
     def begin_drain(self, timeout_s: float) -> None:
         """From a signal handler: refuse new requests, let open ones finish, and after
@@ -182,14 +159,11 @@ class AsyncEngineClient:
         """For paths where the event loop never ran (start-up failed or was interrupted)."""
         if not self._closing:
             self._closing = True
-            self.group.stop()
+            self.replicas.stop_sync()
 
     def close_sockets(self) -> None:
-        """After shutdown (or shutdown_sync outside the loop): close the ZMQ sockets."""
-        if self._ctx is not None and not self._ctx.closed:
-            for sock in [*self._ins, self._out]:
-                sock.close(linger=0)
-            self._ctx.term()
+        """After shutdown_sync, outside the loop: close the ZMQ sockets."""
+        self.replicas.close_sockets()
 
     @property
     def is_dead(self) -> bool:
@@ -207,7 +181,7 @@ class AsyncEngineClient:
         self.check_alive()
         if self.max_queued is None:
             return
-        batch = self.config.scheduler_config.max_num_seqs * self.num_replicas
+        batch = self.config.scheduler_config.max_num_seqs * len(self.router.serving)
         waiting = self._num_engine_requests - batch
         if max(waiting, 0) + num_engine_requests > self.max_queued:
             self.metrics.rejected.labels(reason="queue_full").inc()
@@ -269,16 +243,29 @@ class AsyncEngineClient:
             await self._send(replica, EngineRequest("abort", request_ids=ids))
 
     async def _send(self, replica: int, msg: EngineRequest) -> None:
-        await self._ins[replica].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL),
-                                      copy=False)
+        await self.replicas.send(replica, msg)
+
+    # ---- replicas: re-scaling and utility calls ----
+    async def scale(self, data_parallel_size: int) -> list[int]:
+        """Serve with `data_parallel_size` replicas (see engine_replicas.py)."""
+        self.check_alive()
+        serving = await self.replicas.scale(data_parallel_size)
+        self.metrics.set_replicas(len(serving), self.router.replicas)
+        return serving
+
+    async def call(self, method: str, *args: Any, replicas: list[int] | None = None
+                   ) -> list[Any]:
+        self.check_alive()
+        return await self.replicas.call(method, *args, replicas=replicas)
 
     # ---- outputs ----
     async def _outputs_loop(self) -> None:
         try:
             while True:
-                frame = await self._out.recv(copy=False)
-                msg: EngineOutputs = pickle.loads(frame.buffer)
+                msg = await self.replicas.recv()
                 self._handle(msg)
+                for index in await self.replicas.retire_drained():
+                    self.metrics.remove_replica(index)
                 if msg.dead_error is not None:
                     self._mark_dead(f"the engine died: {self._name(msg.engine_index)}"
                                     f"{msg.dead_error}")
@@ -290,11 +277,14 @@ class AsyncEngineClient:
             self._mark_dead(f"the engine outputs loop failed: {e}")
 
     def _name(self, replica: int) -> str:
-        return f"engine core {replica}: " if self.num_replicas > 1 else ""
+        return f"engine core {replica}: " if len(self.router.replicas) > 1 else ""
 
     def _handle(self, msg: EngineOutputs) -> None:
         self.router.on_stats(msg.engine_index, msg.stats)
-        self.metrics.on_stats(msg.engine_index, msg.stats)
+        if msg.engine_index in self.router.stats:
+            self.metrics.on_stats(msg.engine_index, msg.stats)
+        if msg.utility is not None:
+            self.replicas.on_utility(msg)
         self.router.finished([o.request_id for o in msg.outputs if o.finished])
         if not msg.outputs:
             return
@@ -337,6 +327,7 @@ class AsyncEngineClient:
             logger.error("%s; /health now reports 503", error)
             self.dead_error = error
         self._fail_all(error)
+        self.replicas.fail_calls(EngineDeadError(error))
         if first and self.on_dead is not None:
             self.on_dead(error)
 

@@ -7,6 +7,7 @@ inter-token latency between successive outputs, and request latency until the fi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -66,12 +67,19 @@ class ServerMetrics:
         self._prefix_seen: dict[int, tuple[int, int]] = {}  # each engine's totals last applied
         self._timings: dict[str, _Timing] = {}
 
-    def set_replicas(self, num_replicas: int) -> None:
-        """Show every replica's gauges (zero until it reports) and how many there are."""
-        self.replicas.set(num_replicas)
-        for i in range(num_replicas):
+    def set_replicas(self, serving: int, indices: list[int]) -> None:
+        """How many replicas serve, and every live replica's gauges (zero until it reports)."""
+        self.replicas.set(serving)
+        for i in indices:
             for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
                 gauge.labels(engine=str(i))
+
+    def remove_replica(self, index: int) -> None:
+        """A replica that stopped (scaled down): its gauges go; the counters keep its work."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
+            with contextlib.suppress(KeyError):
+                gauge.remove(str(index))
+        self._prefix_seen.pop(index, None)
 
     def on_stats(self, engine: int, stats) -> None:
         label = str(engine)
