@@ -76,13 +76,18 @@ class EngineCoreProcess:
         finally:
             self._ready_r.close()
 
-    def stop(self) -> None:
-        """Wait for the process to exit (it stops its workers), then SIGTERM, then SIGKILL."""
+    def stop(self, told: bool = False) -> None:
+        """Wait for the process to exit (it stops its workers), then SIGTERM, then SIGKILL.
+        `told`: it was sent "shutdown" and the front end lives on (a scale-down), so it is given
+        time to exit before its death pipe closes (an orphaned engine core removes the socket
+        folder, which the other replicas still use)."""
+        start = time.monotonic()
+        if told:
+            self.proc.join(_JOIN_S)
         if not self._death_w.closed:
             self._death_w.close()  # EOF on the death pipe: exit even if no "shutdown" arrived
         if not self._ready_r.closed:
             self._ready_r.close()
-        start = time.monotonic()
         self.proc.join(_JOIN_S)
         for stop in (self.proc.terminate, self.proc.kill):
             if not self.proc.is_alive():
@@ -134,8 +139,8 @@ class EngineCoreGroup:
         self.procs.update({p.engine_index: p for p in new})
 
     def stop_one(self, index: int) -> None:
-        """Stop one replica (it was told to shut down, or is to be killed) and forget it."""
-        self.procs.pop(index).stop()
+        """Stop one replica that was told to shut down, and forget it."""
+        self.procs.pop(index).stop(told=True)
 
     def sentinels(self) -> dict[int, EngineCoreProcess]:
         return {p.sentinel: p for p in self.procs.values()}

@@ -214,6 +214,4 @@ class MPClient(EngineCoreClient):
             except zmq.ZMQError:
                 pass
         self.group.stop()
-        for sock in [*self.ins.values(), *([self.out] if hasattr(self, "out") else [])]:
-            sock.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # every socket, a half-made one too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -11,7 +12,9 @@ from typing import Any
 from tqdm import tqdm
 
 from shardserve.config import EngineConfig
+from shardserve.engine.core_client import InprocClient
 from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.engine.mp_client import MPClient
 from shardserve.model.loader import generation_defaults
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -163,6 +166,27 @@ class LLM:
         importable by name in the engine processes, e.g. a module-level function)."""
         per_replica = self.engine.client.call("collective_rpc", method, timeout, args, kwargs)
         return [result for replica in per_replica for result in replica]
+
+    def scale(self, data_parallel_size: int) -> None:
+        """Run with `data_parallel_size` engine replicas from now on. With replicas in processes
+        (data_parallel_size > 1 at start) they are added or removed live, a removed one first
+        finishing what it runs. An engine started with one in-process core moves to engine
+        processes (it must be idle: its model is loaded again there)."""
+        client = self.engine.client
+        if not isinstance(client, InprocClient):
+            client.scale(data_parallel_size)
+            return
+        if data_parallel_size == 1:
+            return
+        if client.has_unfinished_requests():
+            raise RuntimeError("scale() from the in-process engine needs it idle; finish or "
+                               "abort the requests first")
+        pc = dataclasses.replace(self.config.parallel_config,
+                                 data_parallel_size=data_parallel_size)
+        config = dataclasses.replace(self.config, parallel_config=pc)
+        new_client = MPClient(config)  # before stopping the old one: a failure keeps it
+        client.shutdown()
+        self.engine.client = new_client
 
     def sleep(self, level: int = 1) -> None:
         self.engine.client.call("sleep", level)

@@ -128,3 +128,48 @@ def test_replica_death_fails_fast_naming_it(tiny_llama_dir, no_leftovers) -> Non
     finally:
         llm.shutdown()
     assert not os.path.exists(engine.client.group.tmpdir)
+
+
+def test_scale_offline(tiny_llama_dir, no_leftovers) -> None:
+    """1 (in process) -> 3 -> 2 -> 3: outputs stay greedy-equal; replicas come and go."""
+    prompts = ["hello there", "one two three", "the quick brown fox", "a b c"] * 2
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        for size in (3, 2, 3):
+            llm.scale(size)
+            client = llm.engine.client
+            assert isinstance(client, MPClient)
+            assert client.router.serving == list(range(size))
+            assert sorted(client.group.procs) == list(range(size))  # the removed one stopped
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                use_tqdm=False)]
+            assert got == want, size
+        with pytest.raises(ValueError, match="data_parallel_size=0"):
+            llm.scale(0)
+    finally:
+        llm.shutdown()
+
+
+def test_scale_down_lets_the_removed_replica_finish(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, data_parallel_size=2)
+    try:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+        for i in range(4):
+            engine.add_request(f"r{i}", "hello there", params)
+        owners = set(engine.client.router.owner.values())
+        assert owners == {0, 1}
+        llm.scale(1)  # replica 1 runs two requests: it drains, it is not killed
+        assert engine.client.router.draining == {1} and 1 in engine.client.group.procs
+        tokens: dict[str, int] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = len(out.outputs[0].token_ids)
+        assert tokens == {f"r{i}": 60 for i in range(4)}
+        assert sorted(engine.client.group.procs) == [0]
+        assert engine.client.router.replicas == [0]
+    finally:
+        llm.shutdown()

@@ -178,7 +178,5 @@ class AsyncReplicas:
 
     def close_sockets(self) -> None:
         if self._ctx is not None and not self._ctx.closed:
-            for sock in [*self._ins.values(), self.out]:
-                sock.close(linger=0)
             self._ins.clear()
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # every socket, a half-made one too
