@@ -216,13 +216,14 @@ class AsyncEngineClient:
     ) -> _OutputCollector:
         req = self.inputs.process(request_id, prompt, params)
         ids, children = req.prompt_token_ids, req.children
+        core_requests = req.core_requests()
+        # First, as it may refuse (every replica asleep): nothing is registered then.
+        replica = self.router.assign([r.request_id for r in core_requests])
         queue = _OutputCollector()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
         self._tokens_since_log[0] += len(ids) * len(children)
-        core_requests = req.core_requests()
-        replica = self.router.assign([r.request_id for r in core_requests])
         for core_request in core_requests:
             await self._send(replica, EngineRequest("add", request=core_request))
         return queue

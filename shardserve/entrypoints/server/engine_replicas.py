@@ -143,15 +143,18 @@ class AsyncReplicas:
             return self.router.serving
 
     async def retire_drained(self) -> list[int]:
-        """Stop draining replicas that run nothing any more; returns their indices."""
+        """Stop draining replicas that run nothing any more; returns their indices. (The
+        outputs loop and a scale-down may both call it: the router forgets a replica before
+        the first await, so each is stopped once.)"""
         retired = self.router.drained()
+        procs = [(i, self.group.procs[i]) for i in retired]
         for i in retired:
-            proc = self.group.procs[i]
+            self.router.remove_replica(i)
+        for i, proc in procs:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(proc.sentinel)  # not a death
             with contextlib.suppress(zmq.ZMQError):
                 await self._ins[i].send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
-            self.router.remove_replica(i)
             await asyncio.to_thread(self.group.stop_one, i)
             self._ins.pop(i).close(linger=0)
             logger.info("engine core %d stopped (scaled down)", i)

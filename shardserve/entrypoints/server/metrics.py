@@ -65,14 +65,19 @@ class ServerMetrics:
         self.prefix_hits = Counter("shardserve:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.", registry=r)
         self._prefix_seen: dict[int, tuple[int, int]] = {}  # each engine's totals last applied
+        self._labelled: set[int] = set()  # replicas with gauges
         self._timings: dict[str, _Timing] = {}
 
     def set_replicas(self, serving: int, indices: list[int]) -> None:
-        """How many replicas serve, and every live replica's gauges (zero until it reports)."""
+        """How many replicas serve, and the live replicas' gauges (zero until one reports;
+        a replica no longer live loses its gauges)."""
         self.replicas.set(serving)
+        for i in self._labelled - set(indices):
+            self.remove_replica(i)
         for i in indices:
             for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
                 gauge.labels(engine=str(i))
+        self._labelled = set(indices)
 
     def remove_replica(self, index: int) -> None:
         """A replica that stopped (scaled down): its gauges go; the counters keep its work."""
@@ -80,6 +85,7 @@ class ServerMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(str(index))
         self._prefix_seen.pop(index, None)
+        self._labelled.discard(index)
 
     def on_stats(self, engine: int, stats) -> None:
         label = str(engine)
