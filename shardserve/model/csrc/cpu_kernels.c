@@ -568,6 +568,24 @@ int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, in
 }
 
 /*
+ * out[t, n] += bias[n] for T dense rows of N, rounded once to dtype (as torch's add_ rounds).
+ */
+int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
+    for (int64_t t = 0; t < T; t++) {
+        char *row = (char *)out + (size_t)(t * N) * esize;
+        for (int64_t n = 0; n < N; n++) {
+            float a, b;
+            load_f32(&a, row + n * esize, 1, dtype);
+            load_f32(&b, (const char *)bias + n * esize, 1, dtype);
+            a += b;
+            store_f32(row + n * esize, &a, 1, dtype);
+        }
+    }
+    return 0;
+}
+
+/*
  * Write this step's K/V into the paged cache: row t of src (src_row_stride elements apart;
  * slot_elems = 2 * Hkv * D elements, K then V, the cache's own slot layout) goes to slot
  * slots[t]. Small (one slot per token), so one thread and plain copies.

@@ -39,6 +39,7 @@ int cache_write(void *cache, const void *src, int64_t src_row_stride, const int6
 int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
                  int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                  int64_t K, int num_threads);
+int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
 
 /* One quantized weight: `rows` rows of ggml `type` blocks, row_bytes apart. */
 typedef struct {
@@ -67,34 +68,6 @@ typedef struct {
     float eps, scale;
     int32_t dtype, has_residual, num_threads, unused;
 } dl_step_t;
-
-static void add_bias(void *out, const void *bias, int64_t B, int64_t N, int dtype) {
-    for (int64_t b = 0; b < B; b++) {
-        if (dtype == 0) {
-            float *o = (float *)out + b * N;
-            const float *v = bias;
-            for (int64_t n = 0; n < N; n++) o[n] += v[n];
-        } else {
-            uint16_t *o = (uint16_t *)out + b * N;
-            const uint16_t *v = bias;
-            for (int64_t n = 0; n < N; n++) {
-                uint32_t a = (uint32_t)o[n] << 16, c = (uint32_t)v[n] << 16;
-                float fa, fc;
-                memcpy(&fa, &a, 4);
-                memcpy(&fc, &c, 4);
-                float s = fa + fc;
-                uint32_t u;
-                memcpy(&u, &s, 4);
-                if ((u & 0x7fffffffu) > 0x7f800000u) {
-                    o[n] = (uint16_t)((u >> 16) | 0x40u);
-                } else {
-                    u += 0x7fffu + ((u >> 16) & 1u);
-                    o[n] = (uint16_t)(u >> 16);
-                }
-            }
-        }
-    }
-}
 
 static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
     const int64_t B = s->B, D = s->head_dim, qkv_n = L->qkv.rows;
