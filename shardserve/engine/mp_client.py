@@ -7,9 +7,10 @@ does when a worker dies). Utility calls (`call`) go to each replica and wait for
 step outputs that arrive meanwhile are kept for the next `get_output`.
 
 Re-scaling (`scale`): new replicas start with the config's data_parallel_size set to the new
-count (so they take their share of the cores and of the CPU KV budget; the running ones keep
-theirs). Removed replicas (the highest indices) stop taking requests at once and are stopped
-once the requests they run have finished (checked after every message).
+count (their share of the cores and of the CPU KV budget); the running ones take their new
+share of the cores (their KV cache stays as allocated). Removed replicas (the highest indices)
+stop taking requests at once and are stopped once the requests they run have finished
+(checked after every message).
 """
 
 from __future__ import annotations
@@ -170,25 +171,31 @@ class MPClient(EngineCoreClient):
             raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
         serving = self.router.serving
         if data_parallel_size < len(serving):
-            for i in serving[data_parallel_size:]:
-                self.router.draining.add(i)
+            self.router.draining.update(serving[data_parallel_size:])
             logger.info("scaling down to %d replicas: %s finish their requests, then stop",
                         data_parallel_size, serving[data_parallel_size:])
             self._retire_drained()
-            return
+        else:
+            self._grow(data_parallel_size, len(serving))
+        # The replicas that were running keep serving: they take their new share of the cores.
+        kept = [i for i in serving if i in self.router.serving]
+        self.call("collective_rpc", "set_data_parallel_size", None, (data_parallel_size,), None,
+                  replicas=kept)
+
+    def _grow(self, data_parallel_size: int, serving: int) -> None:
         # Draining replicas come back first; then new ones take the next free indices.
-        for i in sorted(self.router.draining)[: data_parallel_size - len(serving)]:
+        for i in sorted(self.router.draining)[: data_parallel_size - serving]:
             self.router.draining.discard(i)
         missing = data_parallel_size - len(self.router.serving)
-        if missing > 0:
-            taken = set(self.router.replicas)
-            free = (i for i in itertools.count() if i not in taken)
-            new = list(itertools.islice(free, missing))
-            config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
-                self.config.parallel_config, data_parallel_size=data_parallel_size))
-            self.group.start(config, new, self.start_timeout_s)
-            self._connect(new)
-            logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
+        if missing <= 0:
+            return
+        taken = set(self.router.replicas)
+        new = list(itertools.islice((i for i in itertools.count() if i not in taken), missing))
+        config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
+            self.config.parallel_config, data_parallel_size=data_parallel_size))
+        self.group.start(config, new, self.start_timeout_s)
+        self._connect(new)
+        logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
 
     def _retire_drained(self) -> None:
         for i in self.router.drained():

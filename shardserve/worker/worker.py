@@ -53,22 +53,36 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.data_parallel_size = config.parallel_config.data_parallel_size
+        self._default_threads = torch.get_num_threads()
+
+    def set_data_parallel_size(self, size: int) -> int:
+        """The engine was re-scaled to `size` replicas: take this rank's new share of the
+        machine's cores (unless SHARDSERVE_NUM_THREADS fixes it). Returns the thread count."""
+        self.data_parallel_size = size
+        self._set_threads()
+        return torch.get_num_threads()
+
+    def _set_threads(self) -> None:
+        threads = envs.num_threads()
+        if threads == 0 and self.device.type == "cpu":
+            # Ranks sharing a machine split its cores; oversubscription makes every step slower.
+            # Alone, torch's own default (physical cores) stands.
+            threads = max(1, len(os.sched_getaffinity(0)) // self.ranks_on_machine) \
+                if self.ranks_on_machine > 1 else self._default_threads
+        if threads > 0:
+            torch.set_num_threads(threads)
 
     @property
     def ranks_on_machine(self) -> int:
         """This machine's ranks over every data-parallel replica (replicas are local)."""
-        return self.local_world_size * self.config.parallel_config.data_parallel_size
+        return self.local_world_size * self.data_parallel_size
 
     def init_device(self) -> None:
         if self.config.device_config.device == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-        threads = envs.num_threads()
-        if threads == 0 and self.ranks_on_machine > 1 and self.device.type == "cpu":
-            # Ranks sharing a machine split its cores; oversubscription makes every step slower.
-            threads = max(1, len(os.sched_getaffinity(0)) // self.ranks_on_machine)
-        if threads > 0:
-            torch.set_num_threads(threads)
+        self._set_threads()
         if self.world_size > 1:
             if self.distributed_init_method is None:
                 raise ValueError("a multi-rank worker needs distributed_init_method")

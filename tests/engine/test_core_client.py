@@ -30,6 +30,11 @@ def worker_threads(worker) -> int:
     return torch.get_num_threads()
 
 
+def default_threads(worker) -> int:
+    """What torch picks in that process when nothing set it (the worker kept it)."""
+    return worker._default_threads
+
+
 @pytest.fixture(scope="module")
 def dp_llm():
     llm = LLM(dtype="float32", max_model_len=512, data_parallel_size=2)
@@ -156,6 +161,9 @@ def test_scale_down_lets_the_removed_replica_finish(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, data_parallel_size=2)
     try:
         engine = llm.engine
+        half = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert llm.collective_rpc(worker_threads) == [half, half]
+        threads_alone = engine.client.call("collective_rpc", default_threads)[0][0]
         params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
         for i in range(4):
             engine.add_request(f"r{i}", "hello there", params)
@@ -171,5 +179,7 @@ def test_scale_down_lets_the_removed_replica_finish(tiny_llama_dir) -> None:
         assert tokens == {f"r{i}": 60 for i in range(4)}
         assert sorted(engine.client.group.procs) == [0]
         assert engine.client.router.replicas == [0]
+        # The replica left alone took the machine's cores back (torch's default for one).
+        assert llm.collective_rpc(worker_threads) == [threads_alone]
     finally:
         llm.shutdown()

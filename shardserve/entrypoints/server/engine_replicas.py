@@ -3,10 +3,11 @@ input socket to each and one output socket from all, inside the event loop.
 
 Re-scaling while serving (`scale`): new replicas start (in a thread: model loading must not
 block the loop) with the config's data_parallel_size set to the new count, and take requests
-once ready; removed replicas (the highest indices) take no new request at once and stop once
-the requests they run have finished (`retire_drained`, after every message) — no request is
-lost or sent twice. Utility calls (`call`: sleep, wake_up, is_sleeping, collective_rpc) go to
-each replica and resolve when every answer is in.
+once ready (the running ones take their new share of the cores); removed replicas (the
+highest indices) take no new request at once and stop once the requests they run have
+finished (`retire_drained`, after every message) — no request is lost or sent twice.
+Utility calls (`call`: sleep, wake_up, is_sleeping, collective_rpc) go to each replica and
+resolve when every answer is in.
 """
 
 from __future__ import annotations
@@ -125,22 +126,29 @@ class AsyncReplicas:
                 logger.info("scaling down to %d replicas: %s finish their requests, then stop",
                             data_parallel_size, serving[data_parallel_size:])
                 await self.retire_drained()
-                return self.router.serving
-            for i in sorted(self.router.draining)[: data_parallel_size - len(serving)]:
-                self.router.draining.discard(i)  # taken back before starting new ones
-            missing = data_parallel_size - len(self.router.serving)
-            if missing > 0:
-                taken = set(self.router.replicas)
-                new = list(itertools.islice((i for i in itertools.count() if i not in taken),
-                                            missing))
-                config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
-                    self.config.parallel_config, data_parallel_size=data_parallel_size))
-                await asyncio.to_thread(self.group.start, config, new, self.start_timeout_s)
-                self._connect(new)
-                for i in new:
-                    self.router.add_replica(i)
-                logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
+            else:
+                await self._grow(data_parallel_size, len(serving))
+            # The replicas that were running take their new share of the cores.
+            kept = [i for i in serving if i in self.router.serving]
+            await self.call("collective_rpc", "set_data_parallel_size", None,
+                            (data_parallel_size,), None, replicas=kept)
             return self.router.serving
+
+    async def _grow(self, data_parallel_size: int, serving: int) -> None:
+        for i in sorted(self.router.draining)[: data_parallel_size - serving]:
+            self.router.draining.discard(i)  # taken back before starting new ones
+        missing = data_parallel_size - len(self.router.serving)
+        if missing <= 0:
+            return
+        taken = set(self.router.replicas)
+        new = list(itertools.islice((i for i in itertools.count() if i not in taken), missing))
+        config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
+            self.config.parallel_config, data_parallel_size=data_parallel_size))
+        await asyncio.to_thread(self.group.start, config, new, self.start_timeout_s)
+        self._connect(new)
+        for i in new:
+            self.router.add_replica(i)
+        logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
 
     async def retire_drained(self) -> list[int]:
         """Stop draining replicas that run nothing any more; returns their indices. (The
