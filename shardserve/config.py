@@ -240,6 +240,16 @@ class ParallelConfig:
     Replicas on one machine split its cores and its CPU KV-cache budget."""
     data_parallel_backend: str = "mp"
     """How replicas start: "mp" (local processes). "ray" is not built yet (refused)."""
+    nnodes: int = 1
+    """Machines the ranks span (mp backend). Ranks are spread evenly, node-major: node r holds
+    ranks r*L .. (r+1)*L-1 with L = world_size / nnodes. Node 0 runs the engine; every other
+    node runs `shardserve serve --headless` with its node_rank."""
+    node_rank: int = 0
+    """This machine's index among the nnodes (0: the engine's node)."""
+    master_addr: str = "127.0.0.1"
+    """Node 0's address as the other nodes reach it (multi-node handshake and torch.distributed)."""
+    master_port: int = 29555
+    """Node 0's port for the multi-node handshake (authenticated by SHARDSERVE_CLUSTER_SECRET)."""
     pp_layer_partition: str | None = None
     """Decoder layers per pipeline stage, comma-separated ("10,10,10"; a list of ints is taken
     too); they must sum to the model's layer count, each >= 1. None: split evenly (earlier
@@ -285,6 +295,32 @@ class ParallelConfig:
         ):
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)!r} must be > 0")
         self._check_ray_fields()
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        _check(isinstance(self.nnodes, int) and self.nnodes >= 1,
+               f"nnodes={self.nnodes!r} must be an int >= 1")
+        _check(0 <= self.node_rank < self.nnodes,
+               f"node_rank={self.node_rank!r} must be in 0..nnodes-1 ({self.nnodes - 1})")
+        _check(0 < self.master_port < 65536, f"master_port={self.master_port!r} is not a port")
+        if self.nnodes == 1:
+            return
+        _check(self.distributed_executor_backend == "mp",
+               f"nnodes={self.nnodes} needs distributed_executor_backend='mp' (got "
+               f"{self.distributed_executor_backend!r}); across Ray nodes use 'ray' or 'ray_v2'")
+        _check(self.world_size % self.nnodes == 0,
+               f"nnodes={self.nnodes} must divide tensor_parallel_size x "
+               f"pipeline_parallel_size = {self.world_size} (ranks are spread evenly)")
+        _check(self.data_parallel_size == 1,
+               f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: "
+               f"replicas across nodes are not built yet; run one engine per node instead")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
 
     def _check_ray_fields(self) -> None:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -6,12 +6,19 @@
 The queues and the call/reply bookkeeping live in queue_rpc.py / rpc_channel.py, shared with
 ray_v2; this class supplies the processes and their death watch (worker_process.py: start-up,
 death watch, staged stop).
+
+With nnodes > 1 this is node 0: ranks are node-major, so its own ranks 0..L-1 are the
+broadcast's shared-memory readers and every other node's ranks read over the queue's TCP path
+and reply through TCP queues. RemoteNodes (node_link.py) starts the other nodes' ranks through
+their `--headless` agents (headless_node.py) and reports a lost node as this executor's failure.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import tempfile
 import threading
 from multiprocessing.connection import wait
@@ -19,7 +26,9 @@ from typing import Any
 
 import psutil
 
+from shardserve.errors import WorkerStartupError
 from shardserve.executor.abstract import Executor
+from shardserve.executor.node_link import RemoteNodes, ensure_cluster_secret, free_port
 from shardserve.executor.queue_rpc import QueueRpc
 from shardserve.executor.rpc_channel import WorkerHooks
 from shardserve.executor.worker_process import (
@@ -42,33 +51,67 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         pc = self.parallel_config
+        if pc.node_rank != 0:
+            raise ValueError(f"node_rank={pc.node_rank} runs only workers: start that node with "
+                             f"`shardserve serve MODEL --headless --nnodes {pc.nnodes} "
+                             f"--node-rank {pc.node_rank} ...`")
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
         self.workers: list[WorkerHandle] = []
         self.monitor: WorkerMonitor | None = None
+        self.remote: RemoteNodes | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-dist-")
-        self.rpc = QueueRpc(MessageQueue(self.world_size, self.world_size, name="rpc-broadcast"))
+        # Node-major ranks: node 0's are the broadcast's shared-memory readers 0..L-1, the
+        # other nodes' read over its TCP path.
+        self.rpc = QueueRpc(MessageQueue(
+            self.world_size, pc.ranks_per_node, name="rpc-broadcast",
+            connect_ip=pc.master_addr if pc.nnodes > 1 else None,
+        ))
         try:
+            if pc.nnodes > 1:
+                ensure_cluster_secret(self.config)
+                self.remote = RemoteNodes(pc, self._on_node_failure)
             self._start(pc.worker_start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
     def _start(self, timeout_s: float) -> None:
-        # The file store needs no port, so nothing can take it between choosing and binding.
-        init_method = f"file://{self._tmpdir}/store"
-        self.workers = start_workers(
-            self.config,
-            self.rpc.broadcast.export_handle(),
-            init_method,
-            self.parallel_config.worker_cls,
-        )
-        wait_for_ready(self.workers, timeout_s)
+        pc = self.parallel_config
+        # The file store needs no port, so nothing can take it between choosing and binding;
+        # across nodes, torch's TCP store on node 0 (rank 0 hosts it).
+        init_method = f"file://{self._tmpdir}/store" if self.remote is None \
+            else f"tcp://{pc.master_addr}:{free_port(pc.master_addr)}"
+        broadcast = self.rpc.broadcast.export_handle()
+        if self.remote is not None:
+            self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
+        self.workers = start_workers(self.config, broadcast, init_method, pc.worker_cls,
+                                     ranks=list(range(pc.ranks_per_node)))
+        try:
+            wait_for_ready(self.workers, timeout_s)
+        except WorkerStartupError:
+            if self.remote is not None and self.remote.failure is not None:
+                raise WorkerStartupError(self.remote.failure) from None
+            raise
+        replies = [h.reply_handle for h in self.workers]
+        if self.remote is not None:
+            remote = self.remote.wait_ready(timeout_s)
+            replies += [remote[r] for r in range(pc.ranks_per_node, self.world_size)]
         hooks = WorkerHooks(
             self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
         )
-        self.rpc.connect([h.reply_handle for h in self.workers], hooks, timeout_s)
+        self.rpc.connect(replies, hooks, timeout_s)
         self.monitor = WorkerMonitor(self.workers, self._on_worker_death)
+
+    def _on_node_failure(self, reason: str) -> None:
+        if self.monitor is None:
+            # Still starting: our ranks wait inside torch's rendezvous (a C call that a SIGTERM
+            # would not interrupt) for ranks that will never come: end them, so start-up fails now.
+            for h in self.workers:
+                if h.process.is_alive():
+                    os.kill(h.pid, signal.SIGKILL)
+            return
+        self._mark_failed(reason)
 
     # ---- failure ----
     def _on_worker_death(self, handle: WorkerHandle) -> None:
@@ -83,10 +126,13 @@ class MultiprocExecutor(Executor):
 
     def _dead_worker(self, wait_s: float) -> str | None:
         """A description of a worker that has exited (waiting up to wait_s for one), or None."""
+        if self.remote is not None and self.remote.failure is not None:
+            return self.remote.failure
         sentinels = {h.process.sentinel: h for h in self.workers}
         ready = wait(list(sentinels), timeout=wait_s)
         if not ready:
-            return None
+            # A remote rank's broken collective: its node's disconnect arrives within moments.
+            return self.remote.wait_failure(1.0) if self.remote is not None else None
         h = sentinels[ready[0]]
         h.process.join(timeout=1)
         who = self.parallel_config.describe_rank(h.rank, f"pid {h.pid}")
@@ -120,6 +166,8 @@ class MultiprocExecutor(Executor):
             running = bool(self.workers) and self.monitor is not None
             asked = running and self.rpc.ask_workers_to_exit()
             stop_workers(self.workers, _SHUTDOWN_GRACE_S if asked else 0.0)
+            if self.remote is not None:
+                self.remote.stop(_SHUTDOWN_GRACE_S if asked else 0.0)
             self.rpc.close()
             for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
                 if not h.process.is_alive():

@@ -59,15 +59,20 @@ def start_workers(
     init_method: str,
     worker_cls: str,
     start_method: str | None = None,
+    ranks: list[int] | None = None,
+    reply_ip: str | None = None,
 ) -> list[WorkerHandle]:
-    """Start one process per rank (fork where safe, else spawn: see start_method.py)."""
+    """Start one process per rank (fork where safe, else spawn: see start_method.py).
+
+    ranks: this machine's ranks (default: all). reply_ip: the ranks reply over TCP bound there
+    (a node other than the engine's), else through shared memory."""
     method = start_method or choose_start_method()
     if method == "spawn":
         check_spawn_can_import_main()
     ctx = multiprocessing.get_context(method)
-    world = config.parallel_config.world_size
+    ranks = list(range(config.parallel_config.world_size)) if ranks is None else ranks
     handles: list[WorkerHandle] = []
-    for rank in range(world):
+    for local_rank, rank in enumerate(ranks):
         ready_r, ready_w = ctx.Pipe(duplex=False)
         death_r, death_w = ctx.Pipe(duplex=False)
         # A forked child inherits our ends of its own and the earlier ranks' pipes; holding a
@@ -76,8 +81,9 @@ def start_workers(
             fd for h in handles for fd in (h.ready_conn.fileno(), h.death_conn.fileno())
         )
         args = WorkerProcArgs(
-            config, rank, rank, world, init_method, broadcast, ready_w, death_r, worker_cls,
-            close_fds=inherited if method == "fork" else (), forked=method == "fork",
+            config, rank, local_rank, len(ranks), init_method, broadcast, ready_w, death_r,
+            worker_cls, close_fds=inherited if method == "fork" else (), forked=method == "fork",
+            reply_ip=reply_ip,
         )  # fmt: skip
         proc = ctx.Process(target=worker_main, args=(args,), name=args.label, daemon=True)
         proc.start()
@@ -107,10 +113,11 @@ def wait_for_ready(handles: list[WorkerHandle], timeout_s: float) -> None:
             if handle is None or handle.ready_conn not in pending:
                 continue  # both its pipe and its sentinel fired; handled already
             del pending[handle.ready_conn]
-            _take_ready_message(handle)
+            take_ready_message(handle)
 
 
-def _take_ready_message(handle: WorkerHandle) -> None:
+def take_ready_message(handle: WorkerHandle) -> None:
+    """Read a worker's READY (keeping its reply handle) or raise WorkerStartupError."""
     # A message sent just before the worker exited is still readable: read before judging.
     message = None
     if handle.ready_conn.poll(0):

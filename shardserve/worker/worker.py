@@ -91,7 +91,7 @@ class Worker:
             init_distributed(
                 self.rank, self.world_size, self.distributed_init_method, backend,
                 tp_size=pc.tensor_parallel_size, pp_slot_bytes=self._handoff_bytes(),
-                pp_timeout_s=pc.execute_timeout_s,
+                pp_timeout_s=pc.execute_timeout_s, ranks_per_node=pc.ranks_per_node,
             )
         torch.manual_seed(self.config.model_config.seed)
 

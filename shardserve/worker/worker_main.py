@@ -51,6 +51,8 @@ class WorkerProcArgs:
     # Forked children: the parent's ends of earlier ranks' pipes, inherited by fork; closed first.
     close_fds: tuple[int, ...] = ()
     forked: bool = False
+    # Set on a node other than the engine's: the reply queue is a TCP publisher bound here.
+    reply_ip: str | None = None
 
     @property
     def label(self) -> str:
@@ -88,14 +90,17 @@ def worker_main(args: WorkerProcArgs) -> None:
 
 
 def _serve(args: WorkerProcArgs) -> None:
-    # Segments nobody else can unlink if the engine dies by SIGKILL: its broadcast ring, ours.
-    orphans = [args.broadcast_handle.shm_name]
+    # Segments nobody else can unlink if the engine dies by SIGKILL: its broadcast ring (when we
+    # share its machine: a remote reader reads over TCP, and the name is not ours to unlink), ours.
+    local = args.rank < args.broadcast_handle.n_local_reader
+    orphans = [args.broadcast_handle.shm_name if local else None]
     _watch_death_pipe(args.death_conn, orphans)
     worker = response_mq = broadcast = None
     try:
         try:
             worker = _build_worker(args)
-            response_mq = MessageQueue(1, 1, name=f"{args.label}-reply")
+            response_mq = MessageQueue(1, 0 if args.reply_ip else 1, connect_ip=args.reply_ip,
+                                       name=f"{args.label}-reply")
             orphans.append(response_mq.export_handle().shm_name)
         except BaseException as e:
             args.ready_conn.send(("FAILED", RemoteError.capture(args.rank, os.getpid(), e)))

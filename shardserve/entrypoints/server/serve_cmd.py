@@ -89,6 +89,10 @@ class ServeCommand:
                            "work per token, which on a small machine goes to the model.")
         group.add_argument("--served-model-name", default=None, help="The model name clients "
                            "send (default: the --model value, or the default model's name).")
+        group.add_argument("--headless", action="store_true", help="Run only this node's "
+                           "workers for a multi-node engine (with --nnodes, --node-rank >= 1, "
+                           "--master-addr, --master-port and the SHARDSERVE_CLUSTER_SECRET node 0 "
+                           "printed); no HTTP server. Exits when node 0 stops or is gone.")
         group.add_argument("--uvicorn-log-level", default="info",
                            choices=["critical", "error", "warning", "info", "debug"])
         group.add_argument("--access-log", action="store_true",
@@ -99,6 +103,8 @@ class ServeCommand:
                             help="The model, as `vllm serve MODEL` takes it (same as --model).")
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.headless:
+            return _run_headless(args)
         try:
             import uvicorn
 
@@ -149,6 +155,25 @@ class ServeCommand:
                 client.shutdown_sync()  # no-op after the lifespan's shutdown
             signal.signal(signal.SIGTERM, previous)
         return status
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    from shardserve import envs
+    from shardserve.config import EngineConfig
+    from shardserve.executor.headless_node import HeadlessNode
+
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    args.model = _model_arg(args.model_tag, args.model)
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return HeadlessNode(config.parallel_config).run()
+    except _Terminated:
+        logger.info("terminated")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _tool_parser(args: argparse.Namespace) -> str | None:

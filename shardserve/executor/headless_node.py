@@ -1,0 +1,174 @@
+"""A headless node of the multi-node mp backend: runs this machine's ranks, nothing else.
+
+    `shardserve serve MODEL --headless --nnodes N --node-rank R --master-addr A --master-port P`
+
+    1. connect to node 0 (node_link.py: CURVE keys from SHARDSERVE_CLUSTER_SECRET) and say
+       hello once a second until node 0 answers with NodeStart (bounded by
+       worker_start_timeout_s, so a node started long before node 0 does not wait for ever);
+    2. start this node's ranks (worker_process.start_workers: the same worker processes as on
+       node 0, replying over TCP) and report NodeReady with their reply-queue handles;
+    3. watch: heartbeats both ways; a worker that dies is reported (NodeFailed) and ends us;
+       node 0 silent for MASTER_SILENT_S ends us; NodeStop ends us after the workers exit.
+Every way out stops the workers (staged: wait, SIGTERM, SIGKILL); killed outright, the workers
+notice by their death pipe and exit by themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+
+import zmq
+
+from shardserve.config import ParallelConfig
+from shardserve.errors import WorkerStartupError
+from shardserve.executor.node_link import (
+    HEARTBEAT_S,
+    MASTER_SILENT_S,
+    Heartbeat,
+    NodeBye,
+    NodeFailed,
+    NodeHello,
+    NodeReady,
+    NodeStart,
+    NodeStop,
+    client_socket,
+    route_ip,
+    send,
+)
+from shardserve.executor.worker_process import (
+    WorkerHandle,
+    start_workers,
+    stop_workers,
+    take_ready_message,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_STOP_GRACE_S = 2.0
+
+
+class HeadlessNode:
+    def __init__(self, pc: ParallelConfig) -> None:
+        if pc.nnodes < 2 or pc.node_rank == 0:
+            raise ValueError(f"--headless runs a node other than node 0: give --nnodes >= 2 and "
+                             f"--node-rank in 1..nnodes-1 (got nnodes={pc.nnodes}, "
+                             f"node_rank={pc.node_rank})")
+        self.pc = pc
+        self.ip = route_ip(pc.master_addr, pc.master_port)
+        self.sock = client_socket(pc, pc.node_rank)
+        self.workers: list[WorkerHandle] = []
+        self._last_heard = time.monotonic()
+        self._next_beat = 0.0
+
+    def run(self) -> int:
+        """Serve until node 0 stops us (0) or something fails (1)."""
+        try:
+            start = self._await_start()
+            if start is None:
+                return 1
+            logger.info("node %d: starting ranks %s", self.pc.node_rank, list(start.ranks))
+            self.workers = start_workers(start.config, start.broadcast, start.init_method,
+                                         start.config.parallel_config.worker_cls,
+                                         ranks=list(start.ranks), reply_ip=self.ip)
+            return self._serve(start)
+        finally:
+            stop_workers(self.workers, 0.0 if self._failed else _STOP_GRACE_S)
+            self.sock.close(linger=1000)
+
+    _failed = True  # until a NodeStop arrives
+
+    def _await_start(self) -> NodeStart | None:
+        pc = self.pc
+        hello = NodeHello(pc.node_rank, self.ip, os.getpid(), pc.nnodes, pc.world_size)
+        deadline = time.monotonic() + pc.worker_start_timeout_s
+        next_hello = 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_hello:
+                send(self.sock, hello)
+                next_hello = time.monotonic() + 1.0
+            msg = self._poll()
+            if isinstance(msg, NodeStart):
+                return msg
+            if isinstance(msg, NodeStop):
+                logger.error("%s", msg.reason)
+                return None
+        logger.error("node 0 (%s:%d) did not answer within %.0f s (worker_start_timeout_s); is "
+                     "it running, with the same SHARDSERVE_CLUSTER_SECRET?", pc.master_addr,
+                     pc.master_port, pc.worker_start_timeout_s)
+        return None
+
+    def _poll(self) -> object | None:
+        if not self.sock.poll(_POLL_MS):
+            return None
+        # Only node 0, which proved the cluster's key in the CURVE handshake, can reach us.
+        msg = pickle.loads(self.sock.recv())
+        self._last_heard = time.monotonic()
+        return msg
+
+    def _serve(self, start: NodeStart) -> int:
+        pending = list(self.workers)
+        while True:
+            msg = self._poll()
+            if isinstance(msg, NodeStop):
+                logger.info("node %d: node 0 asked us to stop (%s)", self.pc.node_rank,
+                            msg.reason)
+                self._failed = False
+                stop_workers(self.workers, _STOP_GRACE_S)
+                send(self.sock, NodeBye())
+                return 0
+            now = time.monotonic()
+            if now >= self._next_beat:
+                send(self.sock, Heartbeat())
+                self._next_beat = now + HEARTBEAT_S
+            if now - self._last_heard > MASTER_SILENT_S:
+                logger.error("node 0 (%s:%d) has been silent for %.0f s: it is gone; stopping "
+                             "this node's workers", self.pc.master_addr, self.pc.master_port,
+                             MASTER_SILENT_S)
+                return 1
+            if pending:
+                pending = self._collect_ready(pending)
+                if pending is None:
+                    return 1
+            elif (dead := self._failed_worker()) is not None:
+                self._report(f"worker rank {dead.rank} (pid {dead.pid}) died unexpectedly "
+                             f"({dead.describe_exit()})")
+                return 1
+
+    def _failed_worker(self) -> WorkerHandle | None:
+        """A worker that exited other than by the engine's shutdown request (exit code 0: the
+        broadcast's SHUTDOWN reaches our workers just before node 0's NodeStop reaches us)."""
+        for h in self.workers:
+            if not h.process.is_alive():
+                h.process.join(timeout=1)
+                if h.process.exitcode != 0:
+                    return h
+        return None
+
+    def _collect_ready(self, pending: list[WorkerHandle]) -> list[WorkerHandle] | None:
+        """Take the READY of workers that sent it; report NodeReady when all have."""
+        still = []
+        for h in pending:
+            if h.ready_conn.poll(0) or not h.process.is_alive():
+                try:
+                    take_ready_message(h)
+                except WorkerStartupError as e:
+                    self._report(str(e))
+                    return None
+            else:
+                still.append(h)
+        if not still:
+            handles = {h.rank: h.reply_handle for h in self.workers}
+            send(self.sock, NodeReady(handles, {h.rank: h.pid for h in self.workers}))
+            logger.info("node %d: ranks %s ready", self.pc.node_rank, sorted(handles))
+        return still
+
+    def _report(self, reason: str) -> None:
+        logger.error("%s", reason)
+        try:
+            send(self.sock, NodeFailed(reason))
+        except zmq.ZMQError:
+            pass

@@ -1,0 +1,331 @@
+"""Multi-node mp on loopback: node 0 is this test process (LLM with nnodes=2), node 1 is
+`shardserve serve --headless` in a process tree of its own. Outputs equal HF (PP=2) and uni
+(TP=2, TP=2 x PP=2); the cross-node hops really take the TCP / gloo paths; killing either side
+is noticed in time and leaves nothing behind; strangers on the ports get nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from shardserve import LLM, EngineDeadError, SamplingParams
+from shardserve.ipc.curve_auth import CurveKeys
+from tests.conftest import our_segments
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
+from async_cases import run_cases  # noqa: E402
+from pp_oracle import assert_matches_hf  # noqa: E402
+
+SECRET = "multinode-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def cluster_env(monkeypatch) -> dict[str, str]:
+    monkeypatch.setenv("SHARDSERVE_CLUSTER_SECRET", SECRET)
+    monkeypatch.setenv("SHARDSERVE_NUM_THREADS", "1")  # two "machines" share 2 cores
+    # Node 1's workers unpickle this module's functions (collective_rpc) by reference.
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get(
+        "PYTHONPATH")])))
+    return {**os.environ}
+
+
+class Headless:
+    """`shardserve serve --headless` as node 1, in a session of its own (killable as a tree)."""
+
+    def __init__(self, port: int, model: str | None, *flags: str, env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "shardserve", "serve", *([model] if model else []),
+                "--headless", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
+                "--dtype", "float32", *flags]
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.pids: set[int] = {self.proc.pid}
+
+    def tree(self) -> set[int]:
+        try:
+            self.pids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+        return self.pids
+
+    def kill_tree(self) -> None:
+        self.tree()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def alive(self) -> list[int]:
+        alive = []
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def finish(self, timeout: float = 30) -> tuple[int | None, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            out, _ = self.proc.communicate()
+        return self.proc.returncode, out
+
+
+def gone_within(check, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not check():
+            return True
+        time.sleep(0.05)
+    return not check()
+
+
+def _paths(worker) -> dict[str, int]:
+    from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return {"tp_shm": tp.shm_calls, "tp_gloo": tp.fallback_calls, "pp_shm": pp.shm_calls,
+            "pp_gloo": pp.fallback_calls}
+
+
+@pytest.mark.slow
+def test_pp2_across_two_nodes_matches_hf(hf_default_model, cluster_env, no_leftovers):
+    port = free_port()
+    node1 = Headless(port, None, "--pipeline-parallel-size", "2", "--max-model-len", "512",
+                     env=cluster_env)
+    try:
+        llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=2, nnodes=2,
+                  master_port=port)
+        try:
+            assert_matches_hf(llm, hf_default_model)
+            paths = llm.collective_rpc(_paths)
+            # Stage 0 -> stage 1 crosses nodes: gloo over TCP, never the shared-memory pipe.
+            assert paths[0]["pp_shm"] == 0 and paths[0]["pp_gloo"] > 0, paths
+        finally:
+            llm.shutdown()
+        code, out = node1.finish()
+        assert code == 0, out
+    finally:
+        if node1.proc.poll() is None:
+            node1.kill_tree()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_tiny_model_across_two_nodes_equals_uni(four_layer_model, pp_uni_results, cluster_env,
+                                                no_leftovers, tp, pp):
+    tokens, stop_text, want = pp_uni_results
+    port = free_port()
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", str(tp),
+                     "--pipeline-parallel-size", str(pp), "--max-model-len", "128",
+                     env=cluster_env)
+    try:
+        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
+                  tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=2,
+                  master_port=port)
+        try:
+            assert run_cases(llm, tokens, stop_text) == want
+            paths = llm.collective_rpc(_paths)
+            if pp == 1:  # one TP group over both nodes: gloo
+                assert paths[0]["tp_shm"] == 0 and paths[0]["tp_gloo"] > 0, paths
+            else:  # each stage's TP pair on one node: shared memory; the stages: gloo
+                assert paths[0]["tp_shm"] > 0 and paths[0]["pp_gloo"] > 0, paths
+                assert paths[0]["pp_shm"] == 0, paths
+        finally:
+            llm.shutdown()
+        code, out = node1.finish()
+        assert code == 0, out
+    finally:
+        if node1.proc.poll() is None:
+            node1.kill_tree()
+
+
+def test_killing_the_headless_node_fails_node_0_fast(four_layer_model, cluster_env,
+                                                      no_leftovers):
+    port = free_port()
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
+                     "--max-model-len", "128", env=cluster_env)
+    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
+              tensor_parallel_size=2, nnodes=2, master_port=port)
+    errors: list[BaseException] = []
+    raised_at: list[float] = []
+
+    def keep_generating() -> None:
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        try:
+            for _ in range(10_000):
+                llm.generate(["hello world"] * 8, params, use_tqdm=False)
+        except BaseException as e:
+            raised_at.append(time.monotonic())
+            errors.append(e)
+
+    thread = threading.Thread(target=keep_generating)
+    try:
+        thread.start()
+        time.sleep(1.0)
+        assert not errors, errors
+        node1.kill_tree()
+        killed_at = time.monotonic()
+        thread.join(timeout=30)
+        assert errors and isinstance(errors[0], EngineDeadError), errors
+        assert "node 1" in str(errors[0]) and "ranks [1]" in str(errors[0]), errors[0]
+        assert raised_at[0] - killed_at < 5.0, raised_at[0] - killed_at
+        print(f"\nnode 0 raised {raised_at[0] - killed_at:.2f} s after the kill: {errors[0]}")
+    finally:
+        llm.shutdown()
+        thread.join(timeout=30)
+        if node1.proc.poll() is None:
+            node1.kill_tree()
+        node1.proc.communicate()
+    assert gone_within(node1.alive, 10), node1.alive()
+
+
+NODE0 = textwrap.dedent("""
+    import sys
+    from shardserve import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, tensor_parallel_size=2,
+                  nnodes=2, master_port=int(sys.argv[2]))
+        print("STARTED", flush=True)
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        while True:
+            llm.generate(["hello world"] * 4, params, use_tqdm=False)
+""")
+
+
+def test_headless_node_exits_when_node_0_dies(four_layer_model, cluster_env, tmp_path):
+    segments_before = set(our_segments())
+    port = free_port()
+    script = tmp_path / "node0.py"
+    script.write_text(NODE0)
+    node0 = subprocess.Popen([sys.executable, str(script), str(four_layer_model), str(port)],
+                             env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
+                     "--max-model-len", "128", env=cluster_env)
+    try:
+        assert node0.stdout is not None
+        lines = []
+        for line in node0.stdout:  # bounded by node 0's own start-up deadline
+            lines.append(line)
+            if "STARTED" in line:
+                break
+        assert any("STARTED" in x for x in lines), "".join(lines)
+        time.sleep(0.5)
+        node1.tree()
+        node0.kill()  # SIGKILL: no goodbye; its own workers see their death pipes close
+        killed_at = time.monotonic()
+        code, out = node1.finish(timeout=30)
+        waited = time.monotonic() - killed_at
+        assert waited < 10.0, (waited, out)
+        assert code == 1 and "node 0" in out, out
+        assert gone_within(node1.alive, 5), node1.alive()
+        print(f"\nthe headless node exited {waited:.1f} s after node 0 was killed")
+    finally:
+        for proc in (node0, node1.proc):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert gone_within(lambda: set(our_segments()) - segments_before, 10), our_segments()
+
+
+def test_a_stranger_on_the_handshake_port_gets_nothing(four_layer_model, cluster_env,
+                                                       no_leftovers):
+    port = free_port()
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
+                     "--max-model-len", "128", env=cluster_env)
+    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
+              tensor_parallel_size=2, nnodes=2, master_port=port)
+    strangers: list = []
+    try:
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        llm.generate(["warm up"] * 8, params, use_tqdm=False)
+
+        def timed() -> float:
+            t0 = time.perf_counter()
+            for _ in range(3):
+                llm.generate(["hello world"] * 8, params, use_tqdm=False)
+            return time.perf_counter() - t0
+
+        alone = timed()
+        ctx = zmq.Context.instance()
+        plain, wrong = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        other = CurveKeys.from_secret(b"not the secret")
+        wrong.setsockopt(zmq.CURVE_SERVERKEY, other.server_public)
+        wrong.setsockopt(zmq.CURVE_PUBLICKEY, other.client_public)
+        wrong.setsockopt(zmq.CURVE_SECRETKEY, other.client_secret)
+        for s in (plain, wrong):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"node-1")  # pretending to be the real node 1
+            s.connect(f"tcp://127.0.0.1:{port}")
+            s.send(b"\x80junk that is not a pickle")
+            strangers.append(s)
+        raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+        strangers.append(raw)
+        time.sleep(0.5)
+        watched = timed()
+        for s in strangers[:2]:
+            assert s.poll(300) == 0, "a stranger received a message"
+        raw.settimeout(0.3)
+        try:
+            data = raw.recv(1 << 16)
+        except (TimeoutError, ConnectionResetError):
+            data = b""
+        assert len(data) <= 64, data  # at most ZMTP's greeting, never a message
+        print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with strangers")
+        assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
+        llm.generate(["still healthy"], params, use_tqdm=False)
+    finally:
+        for s in strangers:
+            s.close()
+        llm.shutdown()
+        code, out = node1.finish()
+    assert code == 0, out
+
+
+def test_multinode_options_are_checked(four_layer_model, cluster_env):
+    with pytest.raises(ValueError, match="must divide"):
+        LLM(str(four_layer_model), tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
+        LLM(str(four_layer_model), tensor_parallel_size=2, nnodes=2,
+            distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="--headless"):
+        LLM(str(four_layer_model), tensor_parallel_size=2, nnodes=2, node_rank=1)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        LLM(str(four_layer_model), tensor_parallel_size=2, nnodes=2, node_rank=2)
+
+
+def test_headless_node_refuses_without_the_secret_or_a_matching_node_0(four_layer_model,
+                                                                        cluster_env):
+    env = {k: v for k, v in cluster_env.items() if k != "SHARDSERVE_CLUSTER_SECRET"}
+    node1 = Headless(free_port(), str(four_layer_model), "--tensor-parallel-size", "2",
+                     env=env)
+    code, out = node1.finish()
+    assert code == 2 and "SHARDSERVE_CLUSTER_SECRET" in out, out
+    port = free_port()
+    # Node 0 runs TP=2 over 2 nodes; this node was started for TP=4: node 0 refuses it.
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "4",
+                     "--worker-start-timeout-s", "30", env=cluster_env)
+    with pytest.raises(Exception, match="did not connect"):
+        LLM(str(four_layer_model), tensor_parallel_size=2, nnodes=2, master_port=port,
+            worker_start_timeout_s=5)
+    code, out = node1.finish()
+    assert code == 1 and "refused this node" in out and "world size 4" in out, out
