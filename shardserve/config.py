@@ -240,16 +240,20 @@ class ParallelConfig:
     Replicas on one machine split its cores and its CPU KV-cache budget."""
     data_parallel_backend: str = "mp"
     """How replicas start: "mp" (local processes). "ray" is not built yet (refused)."""
+    data_parallel_rank: int = 0
+    """Which replica this engine core is (set by the front end on each replica's copy)."""
     nnodes: int = 1
-    """Machines the ranks span (mp backend). Ranks are spread evenly, node-major: node r holds
-    ranks r*L .. (r+1)*L-1 with L = world_size / nnodes. Node 0 runs the engine; every other
-    node runs `shardserve serve --headless` with its node_rank."""
+    """Machines the ranks span (mp backend). The ranks of every replica (replica i's rank r is
+    number i x world_size + r) are spread evenly, node-major: node n holds numbers n*L ..
+    (n+1)*L-1, L = data_parallel_size x world_size / nnodes. Node 0 runs the front end and
+    every engine core; every other node runs `shardserve serve --headless` with its node_rank."""
     node_rank: int = 0
     """This machine's index among the nnodes (0: the engine's node)."""
     master_addr: str = "127.0.0.1"
     """Node 0's address as the other nodes reach it (multi-node handshake and torch.distributed)."""
     master_port: int = 29555
-    """Node 0's port for the multi-node handshake (authenticated by SHARDSERVE_CLUSTER_SECRET)."""
+    """Node 0's port for the multi-node handshake of replica 0 (replica i: master_port + i),
+    authenticated by SHARDSERVE_CLUSTER_SECRET."""
     pp_layer_partition: str | None = None
     """Decoder layers per pipeline stage, comma-separated ("10,10,10"; a list of ints is taken
     too); they must sum to the model's layer count, each >= 1. None: split evenly (earlier
@@ -268,7 +272,8 @@ class ParallelConfig:
             text = ",".join(str(n) for n in self.pp_layer_partition)
             object.__setattr__(self, "pp_layer_partition", text)
         if self.distributed_executor_backend is None:
-            backend = "uni" if self.world_size == 1 else "mp"
+            # Across nodes even one rank may live elsewhere: only mp reaches it.
+            backend = "uni" if self.world_size == 1 and self.nnodes == 1 else "mp"
             object.__setattr__(self, "distributed_executor_backend", backend)
         backend = self.distributed_executor_backend
         _check(
@@ -308,19 +313,24 @@ class ParallelConfig:
         _check(self.distributed_executor_backend == "mp",
                f"nnodes={self.nnodes} needs distributed_executor_backend='mp' (got "
                f"{self.distributed_executor_backend!r}); across Ray nodes use 'ray' or 'ray_v2'")
-        _check(self.world_size % self.nnodes == 0,
-               f"nnodes={self.nnodes} must divide tensor_parallel_size x "
-               f"pipeline_parallel_size = {self.world_size} (ranks are spread evenly)")
-        _check(self.data_parallel_size == 1,
-               f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: "
-               f"replicas across nodes are not built yet; run one engine per node instead")
+        total = self.world_size * self.data_parallel_size
+        _check(total % self.nnodes == 0,
+               f"nnodes={self.nnodes} must divide data_parallel_size x tensor_parallel_size x "
+               f"pipeline_parallel_size = {total} (ranks are spread evenly over the nodes)")
 
     @property
     def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
+        """Ranks each machine holds, over every replica."""
+        return self.world_size * self.data_parallel_size // self.nnodes
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+    def node_of(self, rank: int, replica: int | None = None) -> int:
+        """The node of rank `rank` of replica `replica` (default: this config's replica)."""
+        replica = self.data_parallel_rank if replica is None else replica
+        return (replica * self.world_size + rank) // self.ranks_per_node
+
+    def ranks_on_node(self, node: int, replica: int | None = None) -> tuple[int, ...]:
+        """Replica `replica`'s ranks on `node` (consecutive; node 0's are a prefix)."""
+        return tuple(r for r in range(self.world_size) if self.node_of(r, replica) == node)
 
     def _check_ray_fields(self) -> None:
         strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -90,15 +90,15 @@ def init_distributed(
     tp_size: int | None = None,
     pp_slot_bytes: int = 16 << 20,
     pp_timeout_s: float = 300.0,
-    ranks_per_node: int | None = None,
+    nodes: list[int] | None = None,
 ) -> GroupCoordinator:
     """Join the default process group and build this rank's TP and PP groups.
 
     tp_size: ranks per pipeline stage (default: the whole world, one stage). pp_slot_bytes: the
     largest hand-off between stages that goes through shared memory (bigger ones: gloo);
-    pp_timeout_s bounds a wait for a neighbour stage there. ranks_per_node: with several
-    machines (node-major ranks), shared memory only joins ranks of one node — on a loopback
-    test's two "nodes" it would work, and hide the path real nodes take.
+    pp_timeout_s bounds a wait for a neighbour stage there. nodes: the machine of each rank
+    (several machines): shared memory only joins ranks of one node — on a loopback test's two
+    "nodes" it would work, and hide the path real nodes take.
     """
     global _TP_GROUP, _PP_GROUP
     tp_size = tp_size or world_size
@@ -117,16 +117,15 @@ def init_distributed(
     _TP_GROUP = GroupCoordinator(tp_rank, tp_size, _stage_group(stage, tp_size, pp_size),
                                  first_global_rank=stage * tp_size)
     _PP_GROUP = PipelineGroup(stage, pp_size, tp_size, tp_rank)
-    node = ranks_per_node or world_size
+    nodes = nodes or [0] * world_size
     if world_size > 1 and backend == "gloo" and envs.shm_allreduce():
-        first, last = stage * tp_size, (stage + 1) * tp_size - 1
         # Every rank takes the same branches (each below is a collective over its group).
-        if tp_size > 1 and all(s * tp_size // node == ((s + 1) * tp_size - 1) // node
+        if tp_size > 1 and all(len(set(nodes[s * tp_size:(s + 1) * tp_size])) == 1
                                for s in range(pp_size)):
             _TP_GROUP.shm = _attach_shm_allreduce(_TP_GROUP)
         elif tp_size > 1:
-            logger.info("TP group of ranks %d..%d spans nodes: gloo all-reduce", first, last)
-        if pp_size > 1 and node >= world_size:
+            logger.info("a TP group spans nodes: gloo all-reduce")
+        if pp_size > 1 and len(set(nodes)) == 1:
             _PP_GROUP.attach_pipes(pp_slot_bytes, pp_timeout_s)
     return _TP_GROUP
 

@@ -40,7 +40,10 @@ ENGINE_CONFIGS: tuple[type, ...] = (
     ObservabilityConfig,
 )
 # Fields that are not flags: `model` is --model, ModelConfig.device comes from DeviceConfig.
-_HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {ModelConfig: frozenset({"model", "device"})}
+_HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {
+    ModelConfig: frozenset({"model", "device"}),
+    ParallelConfig: frozenset({"data_parallel_rank"}),  # set by the front end, per replica
+}
 # The engine's `seed` would clash with the per-request sampling --seed.
 _ENGINE_RENAMES = {"seed": "engine-seed"}
 # Help for fields without an attribute docstring in config.py (the docstring wins when added).

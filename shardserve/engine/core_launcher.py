@@ -22,9 +22,11 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core_proc import EngineAddresses, run_engine_core
+from shardserve.executor.node_link import ensure_cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ class EngineCoreGroup:
         self._finalizer = weakref.finalize(self, _stop_and_remove, self.procs, self.tmpdir)
         atexit.register(self._finalizer)
         try:
+            if config.parallel_config.nnodes > 1:  # before the cores start: they share it
+                ensure_cluster_secret(config)
             self.start(config, range(config.parallel_config.data_parallel_size),
                        start_timeout_s)
         except BaseException:
@@ -128,8 +132,10 @@ class EngineCoreGroup:
         new = []
         try:
             for i in indices:
-                new.append(EngineCoreProcess(config, EngineAddresses(self.input_addr(i),
-                                                                     self.output_addr), i))
+                own = replace(config, parallel_config=replace(config.parallel_config,
+                                                              data_parallel_rank=i))
+                new.append(EngineCoreProcess(own, EngineAddresses(self.input_addr(i),
+                                                                  self.output_addr), i))
             deadline = time.monotonic() + timeout_s
             for proc in new:
                 proc.wait_ready(deadline)

@@ -33,7 +33,7 @@ from shardserve.engine.core_proc import (
     UtilityCall,
     UtilityResult,
 )
-from shardserve.engine.dp_router import ReplicaRouter
+from shardserve.engine.dp_router import ReplicaRouter, check_new_size
 from shardserve.engine.input_processor import EngineCoreRequest
 from shardserve.errors import EngineDeadError
 from shardserve.messages import EngineCoreOutput
@@ -167,8 +167,7 @@ class MPClient(EngineCoreClient):
     # ---- re-scaling ----
     def scale(self, data_parallel_size: int) -> None:
         self._check_alive()
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
+        check_new_size(self.config.parallel_config, data_parallel_size)
         serving = self.router.serving
         if data_parallel_size < len(serving):
             self.router.draining.update(serving[data_parallel_size:])

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core_client import InprocClient
+from shardserve.engine.dp_router import check_new_size
 from shardserve.engine.llm_engine import LLMEngine, PromptType
 from shardserve.engine.mp_client import MPClient
 from shardserve.model.loader import generation_defaults
@@ -176,6 +177,7 @@ class LLM:
         if not isinstance(client, InprocClient):
             client.scale(data_parallel_size)
             return
+        check_new_size(self.config.parallel_config, data_parallel_size)
         if data_parallel_size == 1:
             return
         if client.has_unfinished_requests():

@@ -9,8 +9,9 @@
        node 0, replying over TCP) and report NodeReady with their reply-queue handles;
     3. watch: heartbeats both ways; a worker that dies is reported (NodeFailed) and ends us;
        node 0 silent for MASTER_SILENT_S ends us; NodeStop ends us after the workers exit.
-Every way out stops the workers (staged: wait, SIGTERM, SIGKILL); killed outright, the workers
-notice by their death pipe and exit by themselves.
+With data parallelism, one such link per replica that has ranks here (node 0 runs every
+engine core; replica i's listens on master_port + i). Every way out stops the workers (staged:
+wait, SIGTERM, SIGKILL); killed outright, the workers notice by their death pipe and exit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import time
 
 import zmq
@@ -35,6 +37,7 @@ from shardserve.executor.node_link import (
     NodeStart,
     NodeStop,
     client_socket,
+    link_port,
     route_ip,
     send,
 )
@@ -51,15 +54,35 @@ _POLL_MS = 100
 _STOP_GRACE_S = 2.0
 
 
+def run_headless(pc: ParallelConfig) -> int:
+    """Serve this node's ranks of every replica that has some here (one link each, on threads
+    of their own); the worst exit status of them."""
+    if pc.nnodes < 2 or pc.node_rank == 0:
+        raise ValueError(f"--headless runs a node other than node 0: give --nnodes >= 2 and "
+                         f"--node-rank in 1..nnodes-1 (got nnodes={pc.nnodes}, "
+                         f"node_rank={pc.node_rank})")
+    replicas = [i for i in range(pc.data_parallel_size) if pc.ranks_on_node(pc.node_rank, i)]
+    nodes = [HeadlessNode(pc, i) for i in replicas]
+    if len(nodes) == 1:
+        return nodes[0].run()
+    codes: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda n=n: codes.__setitem__(n.replica, n.run()),
+                                name=f"replica-{n.replica}") for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:  # each ends by itself: NodeStop, node 0 gone, or a failure
+        t.join()
+    return max(codes.values(), default=1)
+
+
 class HeadlessNode:
-    def __init__(self, pc: ParallelConfig) -> None:
-        if pc.nnodes < 2 or pc.node_rank == 0:
-            raise ValueError(f"--headless runs a node other than node 0: give --nnodes >= 2 and "
-                             f"--node-rank in 1..nnodes-1 (got nnodes={pc.nnodes}, "
-                             f"node_rank={pc.node_rank})")
+    """This node's share of one replica's ranks, and the link to that replica's engine core."""
+
+    def __init__(self, pc: ParallelConfig, replica: int = 0) -> None:
         self.pc = pc
+        self.replica = replica
         self.ip = route_ip(pc.master_addr, pc.master_port)
-        self.sock = client_socket(pc, pc.node_rank)
+        self.sock = client_socket(pc, replica)
         self.workers: list[WorkerHandle] = []
         self._last_heard = time.monotonic()
         self._next_beat = 0.0
@@ -70,7 +93,8 @@ class HeadlessNode:
             start = self._await_start()
             if start is None:
                 return 1
-            logger.info("node %d: starting ranks %s", self.pc.node_rank, list(start.ranks))
+            logger.info("node %d: starting replica %d's ranks %s", self.pc.node_rank,
+                        self.replica, list(start.ranks))
             self.workers = start_workers(start.config, start.broadcast, start.init_method,
                                          start.config.parallel_config.worker_cls,
                                          ranks=list(start.ranks), reply_ip=self.ip)
@@ -83,7 +107,8 @@ class HeadlessNode:
 
     def _await_start(self) -> NodeStart | None:
         pc = self.pc
-        hello = NodeHello(pc.node_rank, self.ip, os.getpid(), pc.nnodes, pc.world_size)
+        hello = NodeHello(pc.node_rank, self.ip, os.getpid(), pc.nnodes, pc.world_size,
+                          pc.data_parallel_size, self.replica)
         deadline = time.monotonic() + pc.worker_start_timeout_s
         next_hello = 0.0
         while time.monotonic() < deadline:
@@ -98,7 +123,7 @@ class HeadlessNode:
                 return None
         logger.error("node 0 (%s:%d) did not answer within %.0f s (worker_start_timeout_s); is "
                      "it running, with the same SHARDSERVE_CLUSTER_SECRET?", pc.master_addr,
-                     pc.master_port, pc.worker_start_timeout_s)
+                     link_port(pc, self.replica), pc.worker_start_timeout_s)
         return None
 
     def _poll(self) -> object | None:

@@ -63,18 +63,23 @@ class MultiprocExecutor(Executor):
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-dist-")
         # Node-major ranks: node 0's are the broadcast's shared-memory readers 0..L-1, the
         # other nodes' read over its TCP path.
+        self.local_ranks = list(pc.ranks_on_node(0))  # a prefix: 0..L-1 (maybe none)
         self.rpc = QueueRpc(MessageQueue(
-            self.world_size, pc.ranks_per_node, name="rpc-broadcast",
-            connect_ip=pc.master_addr if pc.nnodes > 1 else None,
+            self.world_size, len(self.local_ranks), name="rpc-broadcast",
+            connect_ip=pc.master_addr if self._spans_nodes else None,
         ))
         try:
-            if pc.nnodes > 1:
+            if self._spans_nodes:
                 ensure_cluster_secret(self.config)
                 self.remote = RemoteNodes(pc, self._on_node_failure)
             self._start(pc.worker_start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def _spans_nodes(self) -> bool:
+        return len(self.local_ranks) < self.world_size
 
     def _start(self, timeout_s: float) -> None:
         pc = self.parallel_config
@@ -86,7 +91,7 @@ class MultiprocExecutor(Executor):
         if self.remote is not None:
             self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
         self.workers = start_workers(self.config, broadcast, init_method, pc.worker_cls,
-                                     ranks=list(range(pc.ranks_per_node)))
+                                     ranks=self.local_ranks)
         try:
             wait_for_ready(self.workers, timeout_s)
         except WorkerStartupError:
@@ -96,7 +101,7 @@ class MultiprocExecutor(Executor):
         replies = [h.reply_handle for h in self.workers]
         if self.remote is not None:
             remote = self.remote.wait_ready(timeout_s)
-            replies += [remote[r] for r in range(pc.ranks_per_node, self.world_size)]
+            replies += [remote[r] for r in range(len(self.local_ranks), self.world_size)]
         hooks = WorkerHooks(
             self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
         )
@@ -163,7 +168,7 @@ class MultiprocExecutor(Executor):
             self._shut_down = True
             if self.monitor is not None:
                 self.monitor.stop()
-            running = bool(self.workers) and self.monitor is not None
+            running = self.monitor is not None  # started: every rank reads the broadcast
             asked = running and self.rpc.ask_workers_to_exit()
             stop_workers(self.workers, _SHUTDOWN_GRACE_S if asked else 0.0)
             if self.remote is not None:

@@ -61,6 +61,8 @@ class NodeHello:
     pid: int
     nnodes: int
     world_size: int
+    data_parallel_size: int
+    replica: int  # which replica's ranks it offers (it talks to master_port + replica)
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,9 @@ def ensure_cluster_secret(config: EngineConfig) -> None:
                    f"--headless --nnodes {pc.nnodes} --node-rank {rank} "
                    f"--master-addr {pc.master_addr} --master-port {pc.master_port} "
                    f"--tensor-parallel-size {pc.tensor_parallel_size} "
-                   f"--pipeline-parallel-size {pc.pipeline_parallel_size}")
+                   f"--pipeline-parallel-size {pc.pipeline_parallel_size}"
+                   f"{f' --data-parallel-size {dp}' if (dp := pc.data_parallel_size) > 1 else ''}")
         print(f"shardserve: start node {rank} with:\n  {command}", file=sys.stderr, flush=True)
-
-
-def node_ranks(pc: ParallelConfig, node: int) -> tuple[int, ...]:
-    per = pc.ranks_per_node
-    return tuple(range(node * per, (node + 1) * per))
 
 
 def free_port(addr: str) -> int:
@@ -149,13 +147,18 @@ def send(sock: zmq.Socket, message: object, identity: bytes | None = None) -> No
     sock.send_multipart(frames if identity is None else [identity, *frames], zmq.NOBLOCK)
 
 
-def client_socket(pc: ParallelConfig, node_rank: int) -> zmq.Socket:
-    """A headless node's DEALER to node 0 (connects, and reconnects, in the background)."""
+def link_port(pc: ParallelConfig, replica: int) -> int:
+    return pc.master_port + replica
+
+
+def client_socket(pc: ParallelConfig, replica: int) -> zmq.Socket:
+    """A headless node's DEALER to replica `replica`'s engine core on node 0 (connects, and
+    reconnects, in the background)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     secure_client(sock, link_keys())
-    sock.setsockopt(zmq.IDENTITY, f"node-{node_rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, f"node-{pc.node_rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(f"tcp://{pc.master_addr}:{pc.master_port}")
+    sock.connect(f"tcp://{pc.master_addr}:{link_port(pc, replica)}")
     return sock
 
 
@@ -175,7 +178,8 @@ class _Node:
 
 
 class RemoteNodes:
-    """Node 0's side of the link: gathers the headless nodes, starts them, watches them.
+    """Node 0's side of the link of one engine core (replica): gathers the headless nodes that
+    hold its ranks, starts them, watches them.
 
     The socket belongs to the calling thread until `start_nodes` returns, then to the watch
     thread alone (ZMQ sockets are not thread-safe); `stop` asks that thread to finish.
@@ -183,13 +187,16 @@ class RemoteNodes:
 
     def __init__(self, pc: ParallelConfig, on_failure: Callable[[str], None]) -> None:
         self.pc = pc
+        self.replica = pc.data_parallel_rank
+        self.port = link_port(pc, self.replica)
+        self.expected = sorted({pc.node_of(r) for r in range(pc.world_size)} - {0})
         self.failure: str | None = None
         self.nodes: dict[int, _Node] = {}
         self._on_failure = on_failure
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._domain = f"shardserve-nodes-{os.getpid()}-{pc.master_port}"
+        self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}"
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._monitor: zmq.Socket | None = None
         self._suspect_since: float | None = None
@@ -197,23 +204,24 @@ class RemoteNodes:
             secure_server(self._sock, link_keys(), self._domain)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._sock.bind(f"tcp://{pc.master_addr}:{pc.master_port}")
+            self._sock.bind(f"tcp://{pc.master_addr}:{self.port}")
         except zmq.ZMQError as e:
             self._close_socket()
             raise RuntimeError(f"cannot listen for the other nodes on {pc.master_addr}:"
-                               f"{pc.master_port} ({e}); choose another --master-port") from e
+                               f"{self.port} ({e}); choose another --master-port (replica i "
+                               f"listens on master_port + i)") from e
 
     # ---- start-up (calling thread) ----
     def start_nodes(self, config: EngineConfig, broadcast: Handle, init_method: str,
                     timeout_s: float) -> None:
         """Wait for every headless node's hello, send each its NodeStart, start watching."""
         deadline = time.monotonic() + timeout_s
-        while len(self.nodes) < self.pc.nnodes - 1:
+        while len(self.nodes) < len(self.expected):
             if time.monotonic() >= deadline:
-                missing = sorted(set(range(1, self.pc.nnodes)) - set(self.nodes))
+                missing = sorted(set(self.expected) - set(self.nodes))
                 raise WorkerStartupError(
                     f"nodes {missing} did not connect to {self.pc.master_addr}:"
-                    f"{self.pc.master_port} within {timeout_s:.0f} s: start each with "
+                    f"{self.port} within {timeout_s:.0f} s: start each with "
                     f"`shardserve serve ... --headless --nnodes {self.pc.nnodes} --node-rank R "
                     f"--master-addr {self.pc.master_addr} --master-port {self.pc.master_port}` "
                     f"and the same SHARDSERVE_CLUSTER_SECRET")
@@ -236,19 +244,23 @@ class RemoteNodes:
     def _take_hello(self, identity: bytes, msg: object) -> None:
         if not isinstance(msg, NodeHello):
             return
-        why = None
-        if msg.nnodes != self.pc.nnodes or msg.world_size != self.pc.world_size:
-            why = (f"it was started with nnodes={msg.nnodes}, world size {msg.world_size}; node 0 "
-                   f"has nnodes={self.pc.nnodes}, world size {self.pc.world_size}")
-        elif not 1 <= msg.node_rank < self.pc.nnodes:
-            why = f"node_rank {msg.node_rank} is not in 1..{self.pc.nnodes - 1}"
+        why, pc = None, self.pc
+        theirs = (msg.nnodes, msg.world_size, msg.data_parallel_size, msg.replica)
+        ours = (pc.nnodes, pc.world_size, pc.data_parallel_size, self.replica)
+        if theirs != ours:
+            why = (f"it was started with nnodes={msg.nnodes}, world size {msg.world_size}, "
+                   f"data_parallel_size={msg.data_parallel_size} (replica {msg.replica}); node 0 "
+                   f"has nnodes={pc.nnodes}, world size {pc.world_size}, data_parallel_size="
+                   f"{pc.data_parallel_size} (replica {self.replica})")
+        elif msg.node_rank not in self.expected:
+            why = f"node_rank {msg.node_rank} holds none of replica {self.replica}'s ranks"
         elif msg.node_rank in self.nodes and self.nodes[msg.node_rank].identity != identity:
             why = f"node_rank {msg.node_rank} is taken already"
         if why is not None:
             logger.error("refused a node: %s", why)
             send(self._sock, NodeStop(f"node 0 refused this node: {why}"), identity)
             return
-        ranks = node_ranks(self.pc, msg.node_rank)
+        ranks = self.pc.ranks_on_node(msg.node_rank)
         self.nodes[msg.node_rank] = _Node(msg.node_rank, identity, msg, ranks)
 
     def wait_ready(self, timeout_s: float) -> dict[int, Handle]:

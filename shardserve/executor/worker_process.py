@@ -66,11 +66,13 @@ def start_workers(
 
     ranks: this machine's ranks (default: all). reply_ip: the ranks reply over TCP bound there
     (a node other than the engine's), else through shared memory."""
+    ranks = list(range(config.parallel_config.world_size)) if ranks is None else ranks
+    if not ranks:  # every rank of this engine lives on other nodes
+        return []
     method = start_method or choose_start_method()
     if method == "spawn":
         check_spawn_can_import_main()
     ctx = multiprocessing.get_context(method)
-    ranks = list(range(config.parallel_config.world_size)) if ranks is None else ranks
     handles: list[WorkerHandle] = []
     for local_rank, rank in enumerate(ranks):
         ready_r, ready_w = ctx.Pipe(duplex=False)

@@ -75,8 +75,11 @@ class Worker:
 
     @property
     def ranks_on_machine(self) -> int:
-        """This machine's ranks over every data-parallel replica (replicas are local)."""
-        return self.local_world_size * self.data_parallel_size
+        """This machine's ranks over every data-parallel replica."""
+        pc = self.config.parallel_config
+        if pc.nnodes > 1:
+            return pc.ranks_per_node
+        return self.local_world_size * self.data_parallel_size  # replicas are local
 
     def init_device(self) -> None:
         if self.config.device_config.device == "cuda":
@@ -91,7 +94,8 @@ class Worker:
             init_distributed(
                 self.rank, self.world_size, self.distributed_init_method, backend,
                 tp_size=pc.tensor_parallel_size, pp_slot_bytes=self._handoff_bytes(),
-                pp_timeout_s=pc.execute_timeout_s, ranks_per_node=pc.ranks_per_node,
+                pp_timeout_s=pc.execute_timeout_s,
+                nodes=[pc.node_of(r) for r in range(self.world_size)],
             )
         torch.manual_seed(self.config.model_config.seed)
 

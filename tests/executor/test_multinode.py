@@ -157,6 +157,48 @@ def test_tiny_model_across_two_nodes_equals_uni(four_layer_model, pp_uni_results
             node1.kill_tree()
 
 
+def _pid(worker) -> int:
+    return os.getpid()
+
+
+PROMPTS = [f"prompt number {i}: " + "word " * i for i in range(8)]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_data_parallel_replicas_across_two_nodes_equal_uni(four_layer_model, cluster_env,
+                                                            no_leftovers):
+    """DP=2 over 2 nodes: replica 0's rank on node 0, replica 1's on node 1 (its engine core
+    stays on node 0 and drives it over TCP)."""
+    uni = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0)
+    try:
+        want = greedy_tokens(uni)
+    finally:
+        uni.shutdown()
+    port = free_port()
+    node1 = Headless(port, str(four_layer_model), "--data-parallel-size", "2",
+                     "--max-model-len", "128", env=cluster_env)
+    try:
+        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
+                  data_parallel_size=2, nnodes=2, master_port=port)
+        try:
+            assert greedy_tokens(llm) == want
+            pids = llm.collective_rpc(_pid)
+            assert pids[0] not in node1.tree() and pids[1] in node1.tree(), (pids, node1.pids)
+            with pytest.raises(ValueError, match="spans nodes"):
+                llm.scale(1)
+        finally:
+            llm.shutdown()
+        code, out = node1.finish()
+        assert code == 0, out
+    finally:
+        if node1.proc.poll() is None:
+            node1.kill_tree()
+
+
 def test_killing_the_headless_node_fails_node_0_fast(four_layer_model, cluster_env,
                                                       no_leftovers):
     port = free_port()

@@ -27,7 +27,7 @@ import zmq.asyncio
 from shardserve.config import EngineConfig
 from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess
 from shardserve.engine.core_proc import EngineOutputs, EngineRequest, UtilityCall
-from shardserve.engine.dp_router import ReplicaRouter
+from shardserve.engine.dp_router import ReplicaRouter, check_new_size
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,7 @@ class AsyncReplicas:
     # ---- re-scaling ----
     async def scale(self, data_parallel_size: int) -> list[int]:
         """Serve with `data_parallel_size` replicas; returns the serving indices."""
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
+        check_new_size(self.config.parallel_config, data_parallel_size)
         assert self._scaling is not None
         async with self._scaling:
             serving = self.router.serving

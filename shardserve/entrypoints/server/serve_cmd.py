@@ -160,7 +160,7 @@ class ServeCommand:
 def _run_headless(args: argparse.Namespace) -> int:
     from shardserve import envs
     from shardserve.config import EngineConfig
-    from shardserve.executor.headless_node import HeadlessNode
+    from shardserve.executor.headless_node import run_headless
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
@@ -168,7 +168,7 @@ def _run_headless(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return HeadlessNode(config.parallel_config).run()
+        return run_headless(config.parallel_config)
     except _Terminated:
         logger.info("terminated")
         return 0
