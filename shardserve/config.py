@@ -239,7 +239,10 @@ class ParallelConfig:
     own tensor_parallel_size x pipeline_parallel_size ranks); requests go to the least loaded.
     Replicas on one machine split its cores and its CPU KV-cache budget."""
     data_parallel_backend: str = "mp"
-    """How replicas start: "mp" (local processes). "ray" is not built yet (refused)."""
+    """Where replicas' ranks run: "mp" (this machine, or the nodes of nnodes) or "ray" (each
+    replica's ranks in a Ray placement group of its own, on whatever nodes Ray chooses; the
+    engine cores stay beside the front end, and the executor is 'ray' unless 'ray_v2' is
+    asked for)."""
     data_parallel_rank: int = 0
     """Which replica this engine core is (set by the front end on each replica's copy)."""
     nnodes: int = 1
@@ -264,17 +267,25 @@ class ParallelConfig:
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
         _check(
-            self.data_parallel_backend == "mp",
-            f"data_parallel_backend={self.data_parallel_backend!r}: only 'mp' (local engine "
-            f"processes) is built; replicas as Ray placement groups are not yet",
+            self.data_parallel_backend in ("mp", "ray"),
+            f"data_parallel_backend={self.data_parallel_backend!r} must be 'mp' or 'ray'",
         )
+        _check(isinstance(self.data_parallel_rank, int)
+               and 0 <= self.data_parallel_rank < self.data_parallel_size,
+               f"data_parallel_rank={self.data_parallel_rank!r} must be in "
+               f"0..data_parallel_size-1; the front end sets it on each replica's copy of the "
+               f"config: leave it at 0")
         if isinstance(self.pp_layer_partition, list | tuple):  # kept as text: hashable, printable
             text = ",".join(str(n) for n in self.pp_layer_partition)
             object.__setattr__(self, "pp_layer_partition", text)
         if self.distributed_executor_backend is None:
             # Across nodes even one rank may live elsewhere: only mp reaches it.
             backend = "uni" if self.world_size == 1 and self.nnodes == 1 else "mp"
+            if self.data_parallel_backend == "ray":
+                backend = "ray"
             object.__setattr__(self, "distributed_executor_backend", backend)
+        if self.data_parallel_backend == "ray":
+            self._check_ray_replicas()
         backend = self.distributed_executor_backend
         _check(
             not isinstance(backend, str) or backend in BACKENDS or "." in backend,
@@ -301,6 +312,17 @@ class ParallelConfig:
             _check(getattr(self, name) > 0, f"{name}={getattr(self, name)!r} must be > 0")
         self._check_ray_fields()
         self._check_nodes()
+
+    def _check_ray_replicas(self) -> None:
+        _check(self.distributed_executor_backend in ("ray", "ray_v2"),
+               f"data_parallel_backend='ray' puts each replica's ranks in a placement group: "
+               f"distributed_executor_backend must be 'ray' or 'ray_v2' (or unset), got "
+               f"{self.distributed_executor_backend!r}")
+        _check(self.ray_placement_group is None or self.data_parallel_size == 1,
+               f"ray_placement_group={self.ray_placement_group!r} would put every replica in the "
+               f"same group; with data_parallel_backend='ray' each replica creates its own")
+        _check(self.nnodes == 1, "data_parallel_backend='ray' spans nodes through Ray: leave "
+               f"nnodes at 1 (got {self.nnodes})")
 
     def _check_nodes(self) -> None:
         _check(isinstance(self.nnodes, int) and self.nnodes >= 1,

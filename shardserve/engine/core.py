@@ -224,8 +224,12 @@ class EngineCore:
                     pass
 
     def sleep(self, level: int = 1) -> None:
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             raise RuntimeError("sleep() needs an idle engine; finish or abort the requests first")
+        # Steps still in flight can only hold requests that have finished (a front end that
+        # saw their last token, or aborted them, may call right away): collect them first.
+        while self.batch_queue:
+            self.step()
         self._flush_finished()
         self.executor.sleep(level)
         self.sleep_level = level

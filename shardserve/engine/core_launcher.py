@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from dataclasses import replace
+from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core_proc import EngineAddresses, run_engine_core
@@ -113,14 +114,34 @@ class EngineCoreGroup:
         # pipe. Registered after multiprocessing's own hook, so it runs first.
         self._finalizer = weakref.finalize(self, _stop_and_remove, self.procs, self.tmpdir)
         atexit.register(self._finalizer)
+        self._ray: Any = None  # what joining Ray did here (data_parallel_backend="ray")
+        self.ray_address: str | None = None
         try:
             if config.parallel_config.nnodes > 1:  # before the cores start: they share it
                 ensure_cluster_secret(config)
+            if config.parallel_config.data_parallel_backend == "ray":
+                self._join_ray(config)
             self.start(config, range(config.parallel_config.data_parallel_size),
                        start_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _join_ray(self, config: EngineConfig) -> None:
+        """One Ray cluster for every replica: the configured one, the one this process is in,
+        or a local one started here (and stopped with the group); each replica's executor
+        joins it by address and creates its own placement group."""
+        import ray
+
+        from shardserve.executor.ray_utils import connect_ray
+
+        self._ray = connect_ray(config.parallel_config)
+        self.ray_address = ray.get_runtime_context().gcs_address
+
+    def _replica_config(self, config: EngineConfig, index: int) -> EngineConfig:
+        pc = replace(config.parallel_config, data_parallel_rank=index,
+                     ray_address=self.ray_address or config.parallel_config.ray_address)
+        return replace(config, parallel_config=pc)
 
     def input_addr(self, index: int) -> str:
         return f"ipc://{self.tmpdir}/in{index}"
@@ -132,10 +153,9 @@ class EngineCoreGroup:
         new = []
         try:
             for i in indices:
-                own = replace(config, parallel_config=replace(config.parallel_config,
-                                                              data_parallel_rank=i))
-                new.append(EngineCoreProcess(own, EngineAddresses(self.input_addr(i),
-                                                                  self.output_addr), i))
+                new.append(EngineCoreProcess(self._replica_config(config, i),
+                                             EngineAddresses(self.input_addr(i),
+                                                             self.output_addr), i))
             deadline = time.monotonic() + timeout_s
             for proc in new:
                 proc.wait_ready(deadline)
@@ -152,9 +172,16 @@ class EngineCoreGroup:
         return {p.sentinel: p for p in self.procs.values()}
 
     def stop(self) -> None:
-        """Stop every process (in parallel: each has its own deadline), remove the sockets."""
+        """Stop every process (in parallel: each has its own deadline), remove the sockets;
+        then leave Ray, stopping it if it was started here (after the replicas removed their
+        placement groups)."""
         self._finalizer()
         atexit.unregister(self._finalizer)
+        if self._ray is not None:
+            from shardserve.executor.ray_utils import disconnect_ray
+
+            disconnect_ray(self._ray)
+            self._ray = None
 
 
 def _stop_and_remove(procs: dict[int, EngineCoreProcess], tmpdir: str) -> None:

@@ -14,8 +14,14 @@ then takes it back instead of starting another.
 
 from __future__ import annotations
 
-from shardserve.config import ParallelConfig
+import dataclasses
+import itertools
+import logging
+
+from shardserve.config import EngineConfig, ParallelConfig
 from shardserve.engine.core_proc import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 def check_new_size(pc: ParallelConfig, data_parallel_size: object) -> None:
@@ -26,6 +32,12 @@ def check_new_size(pc: ParallelConfig, data_parallel_size: object) -> None:
         raise ValueError(f"re-scaling an engine that spans nodes (nnodes={pc.nnodes}) is not "
                          f"built: its ranks are laid out over the nodes at start-up; restart "
                          f"every node with --data-parallel-size {data_parallel_size}")
+
+
+def resized(config: EngineConfig, data_parallel_size: int) -> EngineConfig:
+    """The config new replicas start with after a re-scale."""
+    pc = dataclasses.replace(config.parallel_config, data_parallel_size=data_parallel_size)
+    return dataclasses.replace(config, parallel_config=pc)
 
 
 class NoReplicaError(RuntimeError):
@@ -50,6 +62,24 @@ class ReplicaRouter:
     @property
     def serving(self) -> list[int]:
         return [i for i in self.replicas if i not in self.draining]
+
+    def plan_scale(self, size: int) -> tuple[list[int], list[int]]:
+        """Re-scale to `size` serving replicas, for the offline client and the server alike:
+        the highest serving ones start draining, or draining ones are taken back before any is
+        started. Returns the indices to start (the lowest free ones) and the replicas that
+        were serving and still are (they take their new share of the cores)."""
+        serving = self.serving
+        if size < len(serving):
+            self.draining.update(serving[size:])
+            logger.info("scaling down to %d replicas: %s finish their requests, then stop",
+                        size, serving[size:])
+            new: list[int] = []
+        else:
+            for i in sorted(self.draining)[: size - len(serving)]:
+                self.draining.discard(i)
+            free = (i for i in itertools.count() if i not in self.stats)
+            new = list(itertools.islice(free, max(0, size - len(self.serving))))
+        return new, [i for i in serving if i in self.serving]
 
     def add_replica(self, index: int) -> None:
         self.stats[index] = SchedulerStats()

@@ -15,7 +15,6 @@ stop taking requests at once and are stopped once the requests they run have fin
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import pickle
@@ -33,7 +32,7 @@ from shardserve.engine.core_proc import (
     UtilityCall,
     UtilityResult,
 )
-from shardserve.engine.dp_router import ReplicaRouter, check_new_size
+from shardserve.engine.dp_router import ReplicaRouter, check_new_size, resized
 from shardserve.engine.input_processor import EngineCoreRequest
 from shardserve.errors import EngineDeadError
 from shardserve.messages import EngineCoreOutput
@@ -168,33 +167,15 @@ class MPClient(EngineCoreClient):
     def scale(self, data_parallel_size: int) -> None:
         self._check_alive()
         check_new_size(self.config.parallel_config, data_parallel_size)
-        serving = self.router.serving
-        if data_parallel_size < len(serving):
-            self.router.draining.update(serving[data_parallel_size:])
-            logger.info("scaling down to %d replicas: %s finish their requests, then stop",
-                        data_parallel_size, serving[data_parallel_size:])
-            self._retire_drained()
-        else:
-            self._grow(data_parallel_size, len(serving))
-        # The replicas that were running keep serving: they take their new share of the cores.
-        kept = [i for i in serving if i in self.router.serving]
+        new, kept = self.router.plan_scale(data_parallel_size)
+        if new:
+            config = resized(self.config, data_parallel_size)
+            self.group.start(config, new, self.start_timeout_s)
+            self._connect(new)
+            logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
+        self._retire_drained()
         self.call("collective_rpc", "set_data_parallel_size", None, (data_parallel_size,), None,
                   replicas=kept)
-
-    def _grow(self, data_parallel_size: int, serving: int) -> None:
-        # Draining replicas come back first; then new ones take the next free indices.
-        for i in sorted(self.router.draining)[: data_parallel_size - serving]:
-            self.router.draining.discard(i)
-        missing = data_parallel_size - len(self.router.serving)
-        if missing <= 0:
-            return
-        taken = set(self.router.replicas)
-        new = list(itertools.islice((i for i in itertools.count() if i not in taken), missing))
-        config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
-            self.config.parallel_config, data_parallel_size=data_parallel_size))
-        self.group.start(config, new, self.start_timeout_s)
-        self._connect(new)
-        logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
 
     def _retire_drained(self) -> None:
         for i in self.router.drained():

@@ -38,3 +38,17 @@ def test_children_stay_together_and_aborts_go_to_owners() -> None:
     router.finished(["x#0", "x#1", "x#2"])
     assert router.num_open == 1
     assert router.by_owner(["x#1"]) == {}
+
+
+def test_plan_scale_drains_the_highest_and_takes_draining_back_first() -> None:
+    router = ReplicaRouter(3)
+    router.owner["busy"] = 2
+    assert router.plan_scale(1) == ([], [0])  # 1 and 2 drain; 0 stays
+    assert router.draining == {1, 2}
+    assert router.drained() == [1]  # 2 still owns a request
+    router.remove_replica(1)
+    # Growing to 3: replica 2 (still draining) comes back, one new one takes index 1.
+    assert router.plan_scale(3) == ([1], [0])
+    assert router.draining == set()
+    router.add_replica(1)
+    assert router.plan_scale(3) == ([], [0, 1, 2])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import pickle
@@ -27,7 +26,7 @@ import zmq.asyncio
 from shardserve.config import EngineConfig
 from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess
 from shardserve.engine.core_proc import EngineOutputs, EngineRequest, UtilityCall
-from shardserve.engine.dp_router import ReplicaRouter, check_new_size
+from shardserve.engine.dp_router import ReplicaRouter, check_new_size, resized
 
 logger = logging.getLogger(__name__)
 
@@ -119,35 +118,18 @@ class AsyncReplicas:
         check_new_size(self.config.parallel_config, data_parallel_size)
         assert self._scaling is not None
         async with self._scaling:
-            serving = self.router.serving
-            if data_parallel_size < len(serving):
-                self.router.draining.update(serving[data_parallel_size:])
-                logger.info("scaling down to %d replicas: %s finish their requests, then stop",
-                            data_parallel_size, serving[data_parallel_size:])
-                await self.retire_drained()
-            else:
-                await self._grow(data_parallel_size, len(serving))
-            # The replicas that were running take their new share of the cores.
-            kept = [i for i in serving if i in self.router.serving]
+            new, kept = self.router.plan_scale(data_parallel_size)
+            if new:
+                config = resized(self.config, data_parallel_size)
+                await asyncio.to_thread(self.group.start, config, new, self.start_timeout_s)
+                self._connect(new)
+                for i in new:
+                    self.router.add_replica(i)
+                logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
+            await self.retire_drained()
             await self.call("collective_rpc", "set_data_parallel_size", None,
                             (data_parallel_size,), None, replicas=kept)
             return self.router.serving
-
-    async def _grow(self, data_parallel_size: int, serving: int) -> None:
-        for i in sorted(self.router.draining)[: data_parallel_size - serving]:
-            self.router.draining.discard(i)  # taken back before starting new ones
-        missing = data_parallel_size - len(self.router.serving)
-        if missing <= 0:
-            return
-        taken = set(self.router.replicas)
-        new = list(itertools.islice((i for i in itertools.count() if i not in taken), missing))
-        config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
-            self.config.parallel_config, data_parallel_size=data_parallel_size))
-        await asyncio.to_thread(self.group.start, config, new, self.start_timeout_s)
-        self._connect(new)
-        for i in new:
-            self.router.add_replica(i)
-        logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
 
     async def retire_drained(self) -> list[int]:
         """Stop draining replicas that run nothing any more; returns their indices. (The
