@@ -288,8 +288,48 @@ def test_headless_node_exits_when_node_0_dies(four_layer_model, cluster_env, tmp
     assert gone_within(lambda: set(our_segments()) - segments_before, 10), our_segments()
 
 
-def test_a_stranger_on_the_handshake_port_gets_nothing(four_layer_model, cluster_env,
-                                                       no_leftovers):
+def _strangers(addr: str, kind: int) -> list:
+    """A plain socket, one with keys from another secret, and a raw TCP connection that sends
+    junk, all connected to `addr`."""
+    ctx = zmq.Context.instance()
+    plain, wrong = ctx.socket(kind), ctx.socket(kind)
+    other = CurveKeys.from_secret(b"not the secret")
+    wrong.setsockopt(zmq.CURVE_SERVERKEY, other.server_public)
+    wrong.setsockopt(zmq.CURVE_PUBLICKEY, other.client_public)
+    wrong.setsockopt(zmq.CURVE_SECRETKEY, other.client_secret)
+    for s in (plain, wrong):
+        s.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.SUB:
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.setsockopt(zmq.RCVHWM, 1)  # would stall a NODROP writer at once if admitted
+        else:
+            s.setsockopt(zmq.IDENTITY, b"node-1")  # pretending to be the real node 1
+        s.connect(addr)
+        if kind != zmq.SUB:
+            s.send(b"\x80junk that is not a pickle")
+    host, port = addr.removeprefix("tcp://").rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=5)
+    raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+    return [plain, wrong, raw]
+
+
+def _received_nothing(strangers: list) -> None:
+    for s in strangers:
+        if isinstance(s, socket.socket):
+            s.settimeout(0.3)
+            try:
+                data = s.recv(1 << 16)
+            except (TimeoutError, ConnectionResetError):
+                data = b""
+            assert len(data) <= 64, data  # at most ZMTP's greeting, never a message
+        else:
+            assert s.poll(300) == 0, "a stranger received a message"
+
+
+def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cluster_env,
+                                                             no_leftovers):
+    """The handshake port, the broadcast's TCP port and node 1's reply-queue port: strangers
+    there receive nothing, and the engine's steps take as long with them connected."""
     port = free_port()
     node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
                      "--max-model-len", "128", env=cluster_env)
@@ -307,32 +347,14 @@ def test_a_stranger_on_the_handshake_port_gets_nothing(four_layer_model, cluster
             return time.perf_counter() - t0
 
         alone = timed()
-        ctx = zmq.Context.instance()
-        plain, wrong = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        other = CurveKeys.from_secret(b"not the secret")
-        wrong.setsockopt(zmq.CURVE_SERVERKEY, other.server_public)
-        wrong.setsockopt(zmq.CURVE_PUBLICKEY, other.client_public)
-        wrong.setsockopt(zmq.CURVE_SECRETKEY, other.client_secret)
-        for s in (plain, wrong):
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IDENTITY, b"node-1")  # pretending to be the real node 1
-            s.connect(f"tcp://127.0.0.1:{port}")
-            s.send(b"\x80junk that is not a pickle")
-            strangers.append(s)
-        raw = socket.create_connection(("127.0.0.1", port), timeout=5)
-        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
-        strangers.append(raw)
+        rpc = llm.engine.core.executor.rpc
+        strangers += _strangers(f"tcp://127.0.0.1:{port}", zmq.DEALER)
+        strangers += _strangers(rpc.broadcast.export_handle().remote_addr, zmq.SUB)
+        strangers += _strangers(rpc.reply_handles[1].remote_addr, zmq.SUB)
         time.sleep(0.5)
         watched = timed()
-        for s in strangers[:2]:
-            assert s.poll(300) == 0, "a stranger received a message"
-        raw.settimeout(0.3)
-        try:
-            data = raw.recv(1 << 16)
-        except (TimeoutError, ConnectionResetError):
-            data = b""
-        assert len(data) <= 64, data  # at most ZMTP's greeting, never a message
-        print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with strangers")
+        _received_nothing(strangers)
+        print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with 9 strangers")
         assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
         llm.generate(["still healthy"], params, use_tqdm=False)
     finally:
