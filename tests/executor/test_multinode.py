@@ -5,6 +5,7 @@ is noticed in time and leaves nothing behind; strangers on the ports get nothing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -13,19 +14,23 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import zmq
 
 from shardserve import LLM, EngineDeadError, SamplingParams
-from shardserve.ipc.curve_auth import CurveKeys
 from tests.conftest import our_segments
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "ipc"))
 from async_cases import run_cases  # noqa: E402
+from curve_strangers import assert_received_nothing, strangers  # noqa: E402
+from greedy_cases import greedy_tokens, uni_greedy_tokens  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
 
 SECRET = "multinode-test-secret"
@@ -98,6 +103,28 @@ def gone_within(check, timeout: float) -> bool:
     return not check()
 
 
+@contextlib.contextmanager
+def two_nodes(model: Path | None, env: dict[str, str], headless_flags: list[str],
+              **llm_kwargs: Any) -> Iterator[tuple[LLM, Headless]]:
+    """Node 1 (`--headless` with `headless_flags`) and node 0 (this process's LLM). On a clean
+    exit node 1 must have stopped by node 0's request (status 0); otherwise it is killed."""
+    port = free_port()
+    node1 = Headless(port, str(model) if model else None, *headless_flags, env=env)
+    try:
+        llm = LLM(str(model) if model else None, dtype="float32", nnodes=2, master_port=port,
+                  **llm_kwargs)
+        try:
+            yield llm, node1
+        finally:
+            llm.shutdown()
+        code, out = node1.finish()
+        assert code == 0, out
+    finally:
+        if node1.proc.poll() is None:
+            node1.kill_tree()
+            node1.finish()
+
+
 def _paths(worker) -> dict[str, int]:
     from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -108,95 +135,49 @@ def _paths(worker) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_pp2_across_two_nodes_matches_hf(hf_default_model, cluster_env, no_leftovers):
-    port = free_port()
-    node1 = Headless(port, None, "--pipeline-parallel-size", "2", "--max-model-len", "512",
-                     env=cluster_env)
-    try:
-        llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=2, nnodes=2,
-                  master_port=port)
-        try:
-            assert_matches_hf(llm, hf_default_model)
-            paths = llm.collective_rpc(_paths)
-            # Stage 0 -> stage 1 crosses nodes: gloo over TCP, never the shared-memory pipe.
-            assert paths[0]["pp_shm"] == 0 and paths[0]["pp_gloo"] > 0, paths
-        finally:
-            llm.shutdown()
-        code, out = node1.finish()
-        assert code == 0, out
-    finally:
-        if node1.proc.poll() is None:
-            node1.kill_tree()
+    flags = ["--pipeline-parallel-size", "2", "--max-model-len", "512"]
+    with two_nodes(None, cluster_env, flags, max_model_len=512,
+                   pipeline_parallel_size=2) as (llm, _):
+        assert_matches_hf(llm, hf_default_model)
+        paths = llm.collective_rpc(_paths)
+        # Stage 0 -> stage 1 crosses nodes: gloo over TCP, never the shared-memory pipe.
+        assert paths[0]["pp_shm"] == 0 and paths[0]["pp_gloo"] > 0, paths
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_tiny_model_across_two_nodes_equals_uni(four_layer_model, pp_uni_results, cluster_env,
                                                 no_leftovers, tp, pp):
     tokens, stop_text, want = pp_uni_results
-    port = free_port()
-    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", str(tp),
-                     "--pipeline-parallel-size", str(pp), "--max-model-len", "128",
-                     env=cluster_env)
-    try:
-        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
-                  tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=2,
-                  master_port=port)
-        try:
-            assert run_cases(llm, tokens, stop_text) == want
-            paths = llm.collective_rpc(_paths)
-            if pp == 1:  # one TP group over both nodes: gloo
-                assert paths[0]["tp_shm"] == 0 and paths[0]["tp_gloo"] > 0, paths
-            else:  # each stage's TP pair on one node: shared memory; the stages: gloo
-                assert paths[0]["tp_shm"] > 0 and paths[0]["pp_gloo"] > 0, paths
-                assert paths[0]["pp_shm"] == 0, paths
-        finally:
-            llm.shutdown()
-        code, out = node1.finish()
-        assert code == 0, out
-    finally:
-        if node1.proc.poll() is None:
-            node1.kill_tree()
+    flags = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+             "--max-model-len", "128"]
+    with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128, seed=0,
+                   tensor_parallel_size=tp, pipeline_parallel_size=pp) as (llm, _):
+        assert run_cases(llm, tokens, stop_text) == want
+        paths = llm.collective_rpc(_paths)
+        if pp == 1:  # one TP group over both nodes: gloo
+            assert paths[0]["tp_shm"] == 0 and paths[0]["tp_gloo"] > 0, paths
+        else:  # each stage's TP pair on one node: shared memory; the stages: gloo
+            assert paths[0]["tp_shm"] > 0 and paths[0]["pp_gloo"] > 0, paths
+            assert paths[0]["pp_shm"] == 0, paths
 
 
 def _pid(worker) -> int:
     return os.getpid()
 
 
-PROMPTS = [f"prompt number {i}: " + "word " * i for i in range(8)]
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def greedy_tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-
-
 def test_data_parallel_replicas_across_two_nodes_equal_uni(four_layer_model, cluster_env,
                                                             no_leftovers):
     """DP=2 over 2 nodes: replica 0's rank on node 0, replica 1's on node 1 (its engine core
     stays on node 0 and drives it over TCP)."""
-    uni = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0)
-    try:
-        want = greedy_tokens(uni)
-    finally:
-        uni.shutdown()
-    port = free_port()
-    node1 = Headless(port, str(four_layer_model), "--data-parallel-size", "2",
-                     "--max-model-len", "128", env=cluster_env)
-    try:
-        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
-                  data_parallel_size=2, nnodes=2, master_port=port)
-        try:
-            assert greedy_tokens(llm) == want
-            pids = llm.collective_rpc(_pid)
-            assert pids[0] not in node1.tree() and pids[1] in node1.tree(), (pids, node1.pids)
-            with pytest.raises(ValueError, match="spans nodes"):
-                llm.scale(1)
-        finally:
-            llm.shutdown()
-        code, out = node1.finish()
-        assert code == 0, out
-    finally:
-        if node1.proc.poll() is None:
-            node1.kill_tree()
+    want = uni_greedy_tokens(str(four_layer_model))
+    flags = ["--data-parallel-size", "2", "--max-model-len", "128"]
+    with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128, seed=0,
+                   data_parallel_size=2) as (llm, node1):
+        assert greedy_tokens(llm) == want
+        pids = llm.collective_rpc(_pid)
+        assert pids[0] not in node1.tree() and pids[1] in node1.tree(), (pids, node1.pids)
+        with pytest.raises(ValueError, match="spans nodes"):
+            llm.scale(1)
 
 
 def test_killing_the_headless_node_fails_node_0_fast(four_layer_model, cluster_env,
@@ -288,55 +269,14 @@ def test_headless_node_exits_when_node_0_dies(four_layer_model, cluster_env, tmp
     assert gone_within(lambda: set(our_segments()) - segments_before, 10), our_segments()
 
 
-def _strangers(addr: str, kind: int) -> list:
-    """A plain socket, one with keys from another secret, and a raw TCP connection that sends
-    junk, all connected to `addr`."""
-    ctx = zmq.Context.instance()
-    plain, wrong = ctx.socket(kind), ctx.socket(kind)
-    other = CurveKeys.from_secret(b"not the secret")
-    wrong.setsockopt(zmq.CURVE_SERVERKEY, other.server_public)
-    wrong.setsockopt(zmq.CURVE_PUBLICKEY, other.client_public)
-    wrong.setsockopt(zmq.CURVE_SECRETKEY, other.client_secret)
-    for s in (plain, wrong):
-        s.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.SUB:
-            s.setsockopt(zmq.SUBSCRIBE, b"")
-            s.setsockopt(zmq.RCVHWM, 1)  # would stall a NODROP writer at once if admitted
-        else:
-            s.setsockopt(zmq.IDENTITY, b"node-1")  # pretending to be the real node 1
-        s.connect(addr)
-        if kind != zmq.SUB:
-            s.send(b"\x80junk that is not a pickle")
-    host, port = addr.removeprefix("tcp://").rsplit(":", 1)
-    raw = socket.create_connection((host, int(port)), timeout=5)
-    raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
-    return [plain, wrong, raw]
-
-
-def _received_nothing(strangers: list) -> None:
-    for s in strangers:
-        if isinstance(s, socket.socket):
-            s.settimeout(0.3)
-            try:
-                data = s.recv(1 << 16)
-            except (TimeoutError, ConnectionResetError):
-                data = b""
-            assert len(data) <= 64, data  # at most ZMTP's greeting, never a message
-        else:
-            assert s.poll(300) == 0, "a stranger received a message"
-
-
 def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cluster_env,
                                                              no_leftovers):
     """The handshake port, the broadcast's TCP port and node 1's reply-queue port: strangers
     there receive nothing, and the engine's steps take as long with them connected."""
-    port = free_port()
-    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
-                     "--max-model-len", "128", env=cluster_env)
-    llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
-              tensor_parallel_size=2, nnodes=2, master_port=port)
-    strangers: list = []
-    try:
+    flags = ["--tensor-parallel-size", "2", "--max-model-len", "128"]
+    strangers_: list = []
+    with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128,
+                   tensor_parallel_size=2) as (llm, _):
         params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         llm.generate(["warm up"] * 8, params, use_tqdm=False)
 
@@ -346,23 +286,22 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
                 llm.generate(["hello world"] * 8, params, use_tqdm=False)
             return time.perf_counter() - t0
 
-        alone = timed()
-        rpc = llm.engine.core.executor.rpc
-        strangers += _strangers(f"tcp://127.0.0.1:{port}", zmq.DEALER)
-        strangers += _strangers(rpc.broadcast.export_handle().remote_addr, zmq.SUB)
-        strangers += _strangers(rpc.reply_handles[1].remote_addr, zmq.SUB)
-        time.sleep(0.5)
-        watched = timed()
-        _received_nothing(strangers)
-        print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with 9 strangers")
-        assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
-        llm.generate(["still healthy"], params, use_tqdm=False)
-    finally:
-        for s in strangers:
-            s.close()
-        llm.shutdown()
-        code, out = node1.finish()
-    assert code == 0, out
+        try:
+            alone = timed()
+            rpc = llm.engine.core.executor.rpc
+            strangers_ += strangers(f"tcp://127.0.0.1:{llm.config.parallel_config.master_port}",
+                                    zmq.DEALER)
+            strangers_ += strangers(rpc.broadcast.export_handle().remote_addr)
+            strangers_ += strangers(rpc.reply_handles[1].remote_addr)
+            time.sleep(0.5)
+            watched = timed()
+            assert_received_nothing(strangers_)
+            print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with 9 strangers")
+            assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
+            llm.generate(["still healthy"], params, use_tqdm=False)
+        finally:
+            for sock in strangers_:
+                sock.close()
 
 
 def test_multinode_options_are_checked(four_layer_model, cluster_env):

@@ -14,17 +14,11 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from shardserve import LLM, EngineDeadError, SamplingParams
+from shardserve import LLM, EngineDeadError
 
 sys.path.insert(0, str(Path(__file__).parent))
+from greedy_cases import greedy_tokens, uni_greedy_tokens  # noqa: E402
 from ray_helpers import assert_no_ray_processes, our_segments, ray_env  # noqa: E402
-
-PROMPTS = [f"prompt number {i}: " + "word " * i for i in range(8)]
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def greedy_tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def _where(worker) -> tuple[str, str]:
@@ -32,11 +26,7 @@ def _where(worker) -> tuple[str, str]:
 
 
 def test_ray_replicas_each_take_a_placement_group(tiny_llama_dir):
-    uni = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, seed=0)
-    try:
-        want = greedy_tokens(uni)
-    finally:
-        uni.shutdown()
+    want = uni_greedy_tokens(str(tiny_llama_dir))
     segments = our_segments()
     with ray_env():
         llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, seed=0,
