@@ -63,6 +63,8 @@ def run_headless(pc: ParallelConfig) -> int:
                          f"node_rank={pc.node_rank})")
     replicas = [i for i in range(pc.data_parallel_size) if pc.ranks_on_node(pc.node_rank, i)]
     nodes = [HeadlessNode(pc, i) for i in replicas]
+    logger.info("node %d: waiting for node 0 at %s:%d (replicas %s)", pc.node_rank,
+                pc.master_addr, pc.master_port, replicas)
     if len(nodes) == 1:
         return nodes[0].run()
     codes: dict[int, int] = {}
@@ -70,8 +72,15 @@ def run_headless(pc: ParallelConfig) -> int:
                                 name=f"replica-{n.replica}") for n in nodes]
     for t in threads:
         t.start()
-    for t in threads:  # each ends by itself: NodeStop, node 0 gone, or a failure
-        t.join()
+    try:
+        while any(t.is_alive() for t in threads):  # each ends by itself: NodeStop, node 0
+            for t in threads:                       # gone, or a failure
+                t.join(timeout=0.2)
+    finally:  # SIGTERM or Ctrl-C lands on this thread: the others stop their workers too
+        for n in nodes:
+            n.stopping.set()
+        for t in threads:
+            t.join(timeout=30)
     return max(codes.values(), default=1)
 
 
@@ -84,6 +93,7 @@ class HeadlessNode:
         self.ip = route_ip(pc.master_addr, pc.master_port)
         self.sock = client_socket(pc, replica)
         self.workers: list[WorkerHandle] = []
+        self.stopping = threading.Event()  # set from another thread: stop now (status 1)
         self._last_heard = time.monotonic()
         self._next_beat = 0.0
 
@@ -111,7 +121,7 @@ class HeadlessNode:
                           pc.data_parallel_size, self.replica)
         deadline = time.monotonic() + pc.worker_start_timeout_s
         next_hello = 0.0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.stopping.is_set():
             if time.monotonic() >= next_hello:
                 send(self.sock, hello)
                 next_hello = time.monotonic() + 1.0
@@ -121,6 +131,8 @@ class HeadlessNode:
             if isinstance(msg, NodeStop):
                 logger.error("%s", msg.reason)
                 return None
+        if self.stopping.is_set():
+            return None
         logger.error("node 0 (%s:%d) did not answer within %.0f s (worker_start_timeout_s); is "
                      "it running, with the same SHARDSERVE_CLUSTER_SECRET?", pc.master_addr,
                      link_port(pc, self.replica), pc.worker_start_timeout_s)
@@ -136,7 +148,7 @@ class HeadlessNode:
 
     def _serve(self, start: NodeStart) -> int:
         pending = list(self.workers)
-        while True:
+        while not self.stopping.is_set():
             msg = self._poll()
             if isinstance(msg, NodeStop):
                 logger.info("node %d: node 0 asked us to stop (%s)", self.pc.node_rank,
@@ -162,6 +174,7 @@ class HeadlessNode:
                 self._report(f"worker rank {dead.rank} (pid {dead.pid}) died unexpectedly "
                              f"({dead.describe_exit()})")
                 return 1
+        return 1  # told to stop from another thread (SIGTERM, Ctrl-C)
 
     def _failed_worker(self) -> WorkerHandle | None:
         """A worker that exited other than by the engine's shutdown request (exit code 0: the

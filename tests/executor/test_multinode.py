@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -84,6 +85,20 @@ class Headless:
             except psutil.NoSuchProcess:
                 pass
         return alive
+
+    def wait_for_line(self, text: str, timeout: float = 60) -> None:
+        """Read node 1's output until a line holds `text` (bounded: a hang-catcher)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if text in line:
+                    return
+                if not line:
+                    break
+        raise AssertionError(f"node 1 never said {text!r}")
 
     def finish(self, timeout: float = 30) -> tuple[int | None, str]:
         try:
@@ -332,3 +347,17 @@ def test_headless_node_refuses_without_the_secret_or_a_matching_node_0(four_laye
             worker_start_timeout_s=5)
     code, out = node1.finish()
     assert code == 1 and "refused this node" in out and "world size 4" in out, out
+
+
+def test_headless_node_with_two_links_stops_on_sigterm(four_layer_model, cluster_env):
+    """DP=3 x TP=2 over 2 nodes: node 1 holds rank 1 of replica 1 and both of replica 2, so it
+    runs two links (threads); SIGTERM while they wait for node 0 ends both, and the process."""
+    node1 = Headless(free_port(), str(four_layer_model), "--data-parallel-size", "3",
+                     "--tensor-parallel-size", "2", env=cluster_env)
+    node1.wait_for_line("waiting for node 0")  # then both links say hello to nobody
+    time.sleep(0.5)
+    node1.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    code, out = node1.finish(timeout=30)
+    assert code == 0 and "terminated" in out, out
+    assert time.monotonic() - t0 < 10
