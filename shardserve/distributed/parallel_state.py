@@ -23,6 +23,8 @@ from shardserve.distributed.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
+STORE_CLIENT_SCHEME = "tcpstore://"  # "tcpstore://host:port": join a running TCPStore
+
 
 class GroupCoordinator:
     """A tensor-parallel group: this rank's index and the collectives the layers need."""
@@ -106,13 +108,17 @@ def init_distributed(
         raise ValueError(f"world size {world_size} is not a multiple of tp_size={tp_size}")
     pp_size = world_size // tp_size
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if init_method.startswith(STORE_CLIENT_SCHEME):
+            # A store that some process other than rank 0 serves (multi-node mp: the engine
+            # core on node 0, wherever this replica's rank 0 runs): every rank is a client.
+            host, port = init_method.removeprefix(STORE_CLIENT_SCHEME).rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank,
+                                    world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)
     stage, tp_rank = divmod(rank, tp_size)
     _TP_GROUP = GroupCoordinator(tp_rank, tp_size, _stage_group(stage, tp_size, pp_size),
                                  first_global_rank=stage * tp_size)

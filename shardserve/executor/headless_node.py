@@ -47,6 +47,7 @@ from shardserve.executor.worker_process import (
     stop_workers,
     take_ready_message,
 )
+from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +106,17 @@ class HeadlessNode:
                 return 1
             logger.info("node %d: starting replica %d's ranks %s", self.pc.node_rank,
                         self.replica, list(start.ranks))
-            self.workers = start_workers(start.config, start.broadcast, start.init_method,
-                                         start.config.parallel_config.worker_cls,
-                                         ranks=list(start.ranks), reply_ip=self.ip)
+            pc = start.config.parallel_config
+            first = self.replica * pc.world_size - self.pc.node_rank * pc.ranks_per_node
+            start_workers(start.config, start.broadcast, start.init_method, pc.worker_cls,
+                          ranks=list(start.ranks), reply_ip=self.ip, into=self.workers,
+                          local_ranks=[first + r for r in start.ranks])
             return self._serve(start)
         finally:
             stop_workers(self.workers, 0.0 if self._failed else _STOP_GRACE_S)
+            for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
+                if not h.process.is_alive():
+                    unlink_segments_of(h.pid)
             self.sock.close(linger=1000)
 
     _failed = True  # until a NodeStop arrives

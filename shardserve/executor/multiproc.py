@@ -15,6 +15,7 @@ their `--headless` agents (headless_node.py) and reports a lost node as this exe
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -25,10 +26,12 @@ from multiprocessing.connection import wait
 from typing import Any
 
 import psutil
+import torch.distributed as dist
 
+from shardserve.distributed.parallel_state import STORE_CLIENT_SCHEME
 from shardserve.errors import WorkerStartupError
 from shardserve.executor.abstract import Executor
-from shardserve.executor.node_link import RemoteNodes, ensure_cluster_secret, free_port
+from shardserve.executor.node_link import RemoteNodes, ensure_cluster_secret
 from shardserve.executor.queue_rpc import QueueRpc
 from shardserve.executor.rpc_channel import WorkerHooks
 from shardserve.executor.worker_process import (
@@ -60,6 +63,7 @@ class MultiprocExecutor(Executor):
         self.workers: list[WorkerHandle] = []
         self.monitor: WorkerMonitor | None = None
         self.remote: RemoteNodes | None = None
+        self._store: dist.TCPStore | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-dist-")
         # Node-major ranks: node 0's are the broadcast's shared-memory readers 0..L-1, the
         # other nodes' read over its TCP path.
@@ -73,8 +77,11 @@ class MultiprocExecutor(Executor):
                 ensure_cluster_secret(self.config)
                 self.remote = RemoteNodes(pc, self._on_node_failure)
             self._start(pc.worker_start_timeout_s)
-        except BaseException:
+        except BaseException as e:
             self.shutdown()
+            failure = self.remote.failure if self.remote is not None else None
+            if failure is not None and isinstance(e, Exception) and str(e) != failure:
+                raise WorkerStartupError(failure) from e  # the cause, not its consequences
             raise
 
     @property
@@ -83,21 +90,25 @@ class MultiprocExecutor(Executor):
 
     def _start(self, timeout_s: float) -> None:
         pc = self.parallel_config
-        # The file store needs no port, so nothing can take it between choosing and binding;
-        # across nodes, torch's TCP store on node 0 (rank 0 hosts it).
-        init_method = f"file://{self._tmpdir}/store" if self.remote is None \
-            else f"tcp://{pc.master_addr}:{free_port(pc.master_addr)}"
+        # The file store needs no port, so nothing can take it between choosing and binding.
+        # Across nodes, a TCP store served here, on a port the OS picks: this replica's rank 0
+        # may run on another node, and torch's tcp:// would have rank 0 serve it there.
+        init_method = f"file://{self._tmpdir}/store"
+        if self.remote is not None:
+            self._store = dist.TCPStore(pc.master_addr, 0, is_master=True,
+                                        wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+            init_method = f"{STORE_CLIENT_SCHEME}{pc.master_addr}:{self._store.port}"
         broadcast = self.rpc.broadcast.export_handle()
         if self.remote is not None:
             self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
-        self.workers = start_workers(self.config, broadcast, init_method, pc.worker_cls,
-                                     ranks=self.local_ranks)
-        try:
-            wait_for_ready(self.workers, timeout_s)
-        except WorkerStartupError:
-            if self.remote is not None and self.remote.failure is not None:
-                raise WorkerStartupError(self.remote.failure) from None
-            raise
+        # Appended to as each starts, so that a failure or signal part-way stops those too.
+        start_workers(self.config, broadcast, init_method, pc.worker_cls,
+                      ranks=self.local_ranks, into=self.workers,
+                      local_ranks=[pc.data_parallel_rank * self.world_size + r
+                                   for r in self.local_ranks])
+        self._check_nodes()
+        wait_for_ready(self.workers, timeout_s)
         replies = [h.reply_handle for h in self.workers]
         if self.remote is not None:
             remote = self.remote.wait_ready(timeout_s)
@@ -105,17 +116,23 @@ class MultiprocExecutor(Executor):
         hooks = WorkerHooks(
             self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
         )
-        self.rpc.connect(replies, hooks, timeout_s)
+        self.rpc.connect(replies, hooks, timeout_s,
+                         abort=lambda: self.remote.failure if self.remote else None)
         self.monitor = WorkerMonitor(self.workers, self._on_worker_death)
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.remote is not None and self.remote.failure is not None:
+            raise WorkerStartupError(self.remote.failure)
 
     def _on_node_failure(self, reason: str) -> None:
         if self.monitor is None:
-            # Still starting: our ranks wait inside torch's rendezvous (a C call that a SIGTERM
-            # would not interrupt) for ranks that will never come: end them, so start-up fails now.
-            for h in self.workers:
+            # Still starting: our ranks may wait inside torch's rendezvous (a C call that a
+            # SIGTERM would not interrupt) for ranks that will never come: end them, so that
+            # start-up fails now (_start reports the node's failure, not their deaths).
+            for h in list(self.workers):
                 if h.process.is_alive():
                     os.kill(h.pid, signal.SIGKILL)
-            return
         self._mark_failed(reason)
 
     # ---- failure ----
@@ -178,3 +195,4 @@ class MultiprocExecutor(Executor):
                 if not h.process.is_alive():
                     unlink_segments_of(h.pid)
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._store = None  # stops its server

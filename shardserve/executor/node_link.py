@@ -10,9 +10,9 @@ One authenticated ZMQ connection per headless node, node 0 listening:
               init_method, ranks)             ──▶ starts its ranks' worker processes
                                   ◀── NodeReady({rank: reply-queue handle}) | NodeFailed(why)
     Heartbeat every 0.2 s                     ◀─▶ Heartbeat every 0.2 s
-      a connection closed and a node silent       node 0 silent 5 s → stop workers, exit 1
-      0.6 s since, or any node silent 2.5 s
-      → node dead (EngineDeadError)
+      its connection closed (socket monitor,      node 0 silent 5 s → stop workers, exit 1
+      matched by fd), or silent 2.5 s once
+      ready → node dead (EngineDeadError)
                                   ◀── NodeFailed(a worker died)
     NodeStop(reason)                          ──▶ stop its workers, NodeBye, exit
 
@@ -48,7 +48,6 @@ from shardserve.ipc.curve_auth import CurveKeys, release, secure_client, secure_
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.2
-DISCONNECT_PROBE_S = 0.6  # after a connection closes: silent this long = that node is gone
 NODE_SILENT_S = 2.5  # node 0 declares a headless node dead after this long without a word
 MASTER_SILENT_S = 5.0  # a headless node gives up on node 0 after this long
 _POLL_MS = 100
@@ -126,13 +125,6 @@ def ensure_cluster_secret(config: EngineConfig) -> None:
         print(f"shardserve: start node {rank} with:\n  {command}", file=sys.stderr, flush=True)
 
 
-def free_port(addr: str) -> int:
-    """A port free on `addr` now (torch's store binds it a moment later: a narrow race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 def route_ip(master_addr: str, master_port: int) -> str:
     """This machine's address on the route to node 0 (what node 0 can reach us at)."""
     if envs.host_ip():
@@ -156,7 +148,10 @@ def client_socket(pc: ParallelConfig, replica: int) -> zmq.Socket:
     reconnects, in the background)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     secure_client(sock, link_keys())
-    sock.setsockopt(zmq.IDENTITY, f"node-{pc.node_rank}".encode())
+    # Unique per process: two nodes started with the same rank must not share an identity
+    # (a ROUTER would silently ignore the second), so node 0 can refuse the second by name.
+    sock.setsockopt(zmq.IDENTITY, f"node-{pc.node_rank}-{os.getpid()}-"
+                                  f"{secrets.token_hex(4)}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(f"tcp://{pc.master_addr}:{link_port(pc, replica)}")
     return sock
@@ -171,6 +166,7 @@ class _Node:
     last_seen: float = field(default_factory=time.monotonic)
     ready: NodeReady | None = None
     gone: bool = False
+    fd: int = -1  # its connection's socket (a closed one names the node that left)
 
     def describe(self) -> str:
         return (f"node {self.rank} ({self.hello.ip}, ranks {list(self.ranks)}, "
@@ -197,9 +193,12 @@ class RemoteNodes:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}"
+        if pc.master_addr.startswith("127.") or pc.master_addr in ("localhost", "::1"):
+            logger.warning("nnodes=%d with master_addr=%s: only processes on this machine can "
+                           "join; give --master-addr this machine's address on the network the "
+                           "other nodes share", pc.nnodes, pc.master_addr)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._monitor: zmq.Socket | None = None
-        self._suspect_since: float | None = None
         try:
             secure_server(self._sock, link_keys(), self._domain)
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -227,21 +226,27 @@ class RemoteNodes:
                     f"and the same SHARDSERVE_CLUSTER_SECRET")
             if self._sock.poll(_POLL_MS):
                 self._take_hello(*self._recv())
+            self._drain_monitor()  # (disconnects now: refused or impostor peers; nothing to do)
         for node in self.nodes.values():
             send(self._sock, NodeStart(config, broadcast, init_method, node.ranks), node.identity)
         self._thread = threading.Thread(target=self._watch, name="shardserve-node-watch",
                                         daemon=True)
         self._thread.start()
 
-    def _recv(self) -> tuple[bytes, object]:
-        identity, payload = self._sock.recv_multipart()
+    def _recv(self) -> tuple[bytes, object, int]:
+        """(sender identity, message, the connection's fd). Only peers the CURVE handshake
+        admitted get here."""
+        frames = self._sock.recv_multipart(copy=False)
+        identity, fd = frames[0].bytes, frames[-1].get(zmq.SRCFD)
         try:
-            return identity, pickle.loads(payload)
+            if len(frames) != 2:
+                raise ValueError(f"{len(frames)} frames")
+            return identity, pickle.loads(frames[1].buffer), fd
         except Exception as e:  # an admitted peer of another version, say: not fatal here
             logger.warning("dropped an unreadable message from %r: %s", identity, e)
-            return identity, Heartbeat()
+            return identity, None, fd
 
-    def _take_hello(self, identity: bytes, msg: object) -> None:
+    def _take_hello(self, identity: bytes, msg: object, fd: int) -> None:
         if not isinstance(msg, NodeHello):
             return
         why, pc = None, self.pc
@@ -261,7 +266,7 @@ class RemoteNodes:
             send(self._sock, NodeStop(f"node 0 refused this node: {why}"), identity)
             return
         ranks = self.pc.ranks_on_node(msg.node_rank)
-        self.nodes[msg.node_rank] = _Node(msg.node_rank, identity, msg, ranks)
+        self.nodes[msg.node_rank] = _Node(msg.node_rank, identity, msg, ranks, fd=fd)
 
     def wait_ready(self, timeout_s: float) -> dict[int, Handle]:
         """Every remote rank's reply-queue handle, once every node reported ready."""
@@ -283,6 +288,15 @@ class RemoteNodes:
 
     # ---- watching (own thread) ----
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except Exception as e:  # noqa: BLE001 - a watch that stops must not go unnoticed
+            logger.exception("the node watch failed")
+            self._fail(f"the watch over the other nodes failed: {type(e).__name__}: {e}")
+        finally:
+            self._say_goodbye()
+
+    def _watch_loop(self) -> None:
         next_beat = 0.0
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -292,39 +306,40 @@ class RemoteNodes:
             if self._sock in events:
                 self._handle(*self._recv())
             if self._monitor in events:
-                recv_monitor_message(self._monitor)
-                # libzmq does not say whose connection closed (ROUTER_NOTIFY is a draft API):
-                # every live node heartbeats within HEARTBEAT_S, so the one that stays silent
-                # for DISCONNECT_PROBE_S after the event is the one that left.
-                self._suspect_since = self._suspect_since or time.monotonic()
+                self._drain_monitor()
             now = time.monotonic()
-            self._check_suspects(now)
             if now >= next_beat:
                 for node in self.nodes.values():
                     if not node.gone:
                         send(self._sock, Heartbeat(), node.identity)
                 next_beat = now + HEARTBEAT_S
             for node in self.nodes.values():
-                if not node.gone and now - node.last_seen > NODE_SILENT_S:
-                    node.gone = True
-                    self._fail(f"{node.describe()} stopped answering for {NODE_SILENT_S} s")
-        self._say_goodbye()
+                # Not before it is ready: its agent says nothing while it starts processes.
+                if not node.gone and node.ready and now - node.last_seen > NODE_SILENT_S:
+                    self._lose(node, f"stopped answering for {NODE_SILENT_S} s")
 
-    def _check_suspects(self, now: float) -> None:
-        since = self._suspect_since
-        if since is None or now - since < DISCONNECT_PROBE_S:
-            return
-        self._suspect_since = None
-        for node in self.nodes.values():
-            if not node.gone and node.last_seen < since:
-                node.gone = True
-                self._fail(f"{node.describe()} disconnected (its process tree is gone)")
+    def _drain_monitor(self) -> None:
+        """A closed connection: the node whose connection it was is gone (a stranger's, or a
+        refused node's, names no node)."""
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            fd = int(event["value"])
+            for node in self.nodes.values():
+                if node.fd == fd and not node.gone:
+                    self._lose(node, "disconnected (its process tree is gone, or the network)")
 
-    def _handle(self, identity: bytes, msg: object) -> None:
+    def _lose(self, node: _Node, why: str) -> None:
+        node.gone = True
+        self._fail(f"{node.describe()} {why}")
+
+    def _handle(self, identity: bytes, msg: object, fd: int) -> None:
         node = next((n for n in self.nodes.values() if n.identity == identity), None)
         if node is None:
+            if isinstance(msg, NodeHello):  # a latecomer: every node it could be is here
+                self._take_hello(identity, msg, fd)
             return
         node.last_seen = time.monotonic()
+        node.fd = fd  # (a reconnection gets a new one)
         if isinstance(msg, NodeBye):
             if not node.gone:
                 node.gone = True
@@ -351,7 +366,7 @@ class RemoteNodes:
         deadline = time.monotonic() + self._grace_s + 3.0
         while live and time.monotonic() < deadline:
             if self._sock.poll(_POLL_MS):
-                identity, msg = self._recv()
+                identity, msg, _ = self._recv()
                 if isinstance(msg, NodeBye):
                     live.pop(identity, None)
         if live:

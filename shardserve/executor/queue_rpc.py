@@ -14,10 +14,11 @@ unlinked, pending calls failed).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from shardserve.errors import EngineDeadError
+from shardserve.errors import EngineDeadError, WorkerStartupError
 from shardserve.executor.rpc_channel import RpcChannel, WorkerHooks
 from shardserve.ipc import Handle, MessageQueue
 from shardserve.ipc.rpc import SHUTDOWN, RpcRequest
@@ -33,8 +34,10 @@ class QueueRpc:
         self.reply_queues: list[MessageQueue] = []
         self.channel: RpcChannel | None = None
 
-    def connect(self, reply_handles: list[Handle], hooks: WorkerHooks, timeout_s: float) -> None:
-        """Attach to every rank's reply queue, then wait for both handshakes.
+    def connect(self, reply_handles: list[Handle], hooks: WorkerHooks, timeout_s: float,
+                abort: Callable[[], str | None] = lambda: None) -> None:
+        """Attach to every rank's reply queue, then wait for both handshakes. `abort` names a
+        failure that makes waiting pointless (a lost node): checked twice a second.
 
         Ordering: attach to the reply queues before waiting on the broadcast queue; each worker
         waits for the broadcast handshake before it waits for our attachment.
@@ -44,9 +47,9 @@ class QueueRpc:
             MessageQueue.create_from_handle(h, 0, name=f"replies-from-TP{rank}")
             for rank, h in enumerate(self.reply_handles)
         ]
-        self.broadcast.wait_until_ready(timeout=timeout_s)
-        for mq in self.reply_queues:
-            mq.wait_until_ready(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for mq in [self.broadcast, *self.reply_queues]:
+            _wait_ready(mq, deadline, abort)
         self.channel = RpcChannel(self.broadcast, self.reply_queues, hooks)
 
     def call(
@@ -82,3 +85,15 @@ class QueueRpc:
             unlink_segment(h.shm_name)
         if self.channel is not None:
             self.channel.fail_pending(EngineDeadError("the executor was shut down"))
+
+
+def _wait_ready(mq: MessageQueue, deadline: float, abort: Callable[[], str | None]) -> None:
+    while True:
+        if (why := abort()) is not None:
+            raise WorkerStartupError(why)
+        try:
+            mq.wait_until_ready(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise

@@ -61,20 +61,25 @@ def start_workers(
     start_method: str | None = None,
     ranks: list[int] | None = None,
     reply_ip: str | None = None,
+    into: list[WorkerHandle] | None = None,
+    local_ranks: list[int] | None = None,
 ) -> list[WorkerHandle]:
     """Start one process per rank (fork where safe, else spawn: see start_method.py).
 
     ranks: this machine's ranks (default: all). reply_ip: the ranks reply over TCP bound there
-    (a node other than the engine's), else through shared memory."""
+    (a node other than the engine's), else through shared memory. into: the list each handle
+    is appended to as its process starts (returned). local_ranks: each rank's index among all
+    the ranks on this machine, every replica's (its CUDA device; default 0, 1, ...)."""
     ranks = list(range(config.parallel_config.world_size)) if ranks is None else ranks
+    handles: list[WorkerHandle] = [] if into is None else into
     if not ranks:  # every rank of this engine lives on other nodes
-        return []
+        return handles
     method = start_method or choose_start_method()
     if method == "spawn":
         check_spawn_can_import_main()
     ctx = multiprocessing.get_context(method)
-    handles: list[WorkerHandle] = []
-    for local_rank, rank in enumerate(ranks):
+    local_ranks = local_ranks or list(range(len(ranks)))
+    for local_rank, rank in zip(local_ranks, ranks, strict=True):
         ready_r, ready_w = ctx.Pipe(duplex=False)
         death_r, death_w = ctx.Pipe(duplex=False)
         # A forked child inherits our ends of its own and the earlier ranks' pipes; holding a

@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 4000
 HANDSHAKE_IVL_MS = 5000  # a connection that has not authenticated by then is closed
+_WARN_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class _Gate:
     _allowed: dict[str, bytes] = {}
     _auth: ThreadAuthenticator | None = None
     _pid = 0  # the process that started _auth (a forked child starts its own)
+    _last_warning: dict[str, float] = {}
 
     @classmethod
     def admit(cls, domain: str, client_public: bytes) -> None:
@@ -138,9 +141,12 @@ class _Gate:
         """ZAP: is `client_key` (z85) the one `domain` admits? (called on the auth thread)"""
         allowed = cls._allowed.get(domain)
         ok = allowed is not None and hmac.compare_digest(allowed, client_key)
-        if not ok:
-            logger.warning("refused a TCP connection to MessageQueue %r: it does not hold the "
-                           "queue's key", domain)
+        now = time.monotonic()
+        # A refused peer reconnects every ~100 ms: say so once per domain every 10 s.
+        if not ok and now - cls._last_warning.get(domain, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            cls._last_warning[domain] = now
+            logger.warning("refused a TCP connection to %r: it does not hold the cluster's key "
+                           "(SHARDSERVE_CLUSTER_SECRET)", domain)
         return ok
 
     @classmethod

@@ -180,17 +180,27 @@ def _pid(worker) -> int:
     return os.getpid()
 
 
+def _init_method(worker) -> str:
+    return worker.distributed_init_method
+
+
 def test_data_parallel_replicas_across_two_nodes_equal_uni(four_layer_model, cluster_env,
                                                             no_leftovers):
-    """DP=2 over 2 nodes: replica 0's rank on node 0, replica 1's on node 1 (its engine core
-    stays on node 0 and drives it over TCP)."""
+    """DP=2 x TP=2 over 2 nodes: replica 0's ranks on node 0, replica 1's on node 1 (its
+    engine core stays on node 0 and drives them over TCP)."""
     want = uni_greedy_tokens(str(four_layer_model))
-    flags = ["--data-parallel-size", "2", "--max-model-len", "128"]
+    flags = ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-model-len", "128"]
     with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128, seed=0,
-                   data_parallel_size=2) as (llm, node1):
+                   data_parallel_size=2, tensor_parallel_size=2) as (llm, node1):
         assert greedy_tokens(llm) == want
+        # Replica 1's rank 0 runs on node 1: torch's rendezvous store is served by its engine
+        # core on node 0 (with tcp://, rank 0 would serve it on node 1 while the others dial
+        # node 0: loopback would not tell).
+        inits = llm.collective_rpc(_init_method)
+        assert inits[0].startswith("file://") and inits[2].startswith("tcpstore://"), inits
         pids = llm.collective_rpc(_pid)
-        assert pids[0] not in node1.tree() and pids[1] in node1.tree(), (pids, node1.pids)
+        on_node1 = [pid in node1.tree() for pid in pids]
+        assert on_node1 == [False, False, True, True], (pids, node1.pids)
         with pytest.raises(ValueError, match="spans nodes"):
             llm.scale(1)
 
@@ -313,10 +323,11 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
             assert_received_nothing(strangers_)
             print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with 9 strangers")
             assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
-            llm.generate(["still healthy"], params, use_tqdm=False)
         finally:
             for sock in strangers_:
                 sock.close()
+        time.sleep(1.0)  # their connections closing is no node's: nothing is declared lost
+        llm.generate(["still healthy"], params, use_tqdm=False)
 
 
 def test_multinode_options_are_checked(four_layer_model, cluster_env):
@@ -347,6 +358,31 @@ def test_headless_node_refuses_without_the_secret_or_a_matching_node_0(four_laye
             worker_start_timeout_s=5)
     code, out = node1.finish()
     assert code == 1 and "refused this node" in out and "world size 4" in out, out
+
+
+def test_a_second_node_with_the_same_rank_is_refused(four_layer_model, cluster_env,
+                                                     no_leftovers):
+    flags = ["--tensor-parallel-size", "2", "--max-model-len", "128"]
+    port = free_port()
+    twins = [Headless(port, str(four_layer_model), *flags, env=cluster_env) for _ in range(2)]
+    try:
+        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
+                  tensor_parallel_size=2, nnodes=2, master_port=port)
+        try:
+            assert gone_within(lambda: all(t.proc.poll() is None for t in twins), 30)
+            refused = next(t for t in twins if t.proc.poll() is not None)
+            code, out = refused.finish()
+            assert code == 1 and "node_rank 1 is taken already" in out, out
+            assert greedy_tokens(llm)  # the first one serves on
+        finally:
+            llm.shutdown()
+        codes = [t.finish()[0] for t in twins if t is not refused]
+        assert codes == [0]
+    finally:
+        for t in twins:
+            if t.proc.poll() is None:
+                t.kill_tree()
+                t.finish()
 
 
 def test_headless_node_with_two_links_stops_on_sigterm(four_layer_model, cluster_env):
