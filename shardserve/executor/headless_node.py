@@ -8,7 +8,8 @@
     2. start this node's ranks (worker_process.start_workers: the same worker processes as on
        node 0, replying over TCP) and report NodeReady with their reply-queue handles;
     3. watch: heartbeats both ways; a worker that dies is reported (NodeFailed) and ends us;
-       node 0 silent for MASTER_SILENT_S ends us; NodeStop ends us after the workers exit.
+       node 0 silent for MASTER_SILENT_S (2 s once its connection closed) ends us; NodeStop
+       ends us after the workers exit.
 With data parallelism, one such link per replica that has ranks here (node 0 runs every
 engine core; replica i's listens on master_port + i). Every way out stops the workers (staged:
 wait, SIGTERM, SIGKILL); killed outright, the workers notice by their death pipe and exit.
@@ -23,6 +24,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shardserve.config import ParallelConfig
 from shardserve.errors import WorkerStartupError
@@ -97,6 +99,10 @@ class HeadlessNode:
         self.stopping = threading.Event()  # set from another thread: stop now (status 1)
         self._last_heard = time.monotonic()
         self._next_beat = 0.0
+        # A closed connection to node 0 shortens the patience: silence after it means node 0
+        # (not a slow network) is gone.
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._silent_limit = MASTER_SILENT_S
 
     def run(self) -> int:
         """Serve until node 0 stops us (0) or something fails (1)."""
@@ -117,6 +123,8 @@ class HeadlessNode:
             for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
                 if not h.process.is_alive():
                     unlink_segments_of(h.pid)
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
             self.sock.close(linger=1000)
 
     _failed = True  # until a NodeStop arrives
@@ -154,6 +162,8 @@ class HeadlessNode:
 
     def _serve(self, start: NodeStart) -> int:
         pending = list(self.workers)
+        while self._monitor.poll(0):  # closes before the start (refused attempts): not news
+            recv_monitor_message(self._monitor)
         while not self.stopping.is_set():
             msg = self._poll()
             if isinstance(msg, NodeStop):
@@ -167,10 +177,14 @@ class HeadlessNode:
             if now >= self._next_beat:
                 send(self.sock, Heartbeat())
                 self._next_beat = now + HEARTBEAT_S
-            if now - self._last_heard > MASTER_SILENT_S:
-                logger.error("node 0 (%s:%d) has been silent for %.0f s: it is gone; stopping "
-                             "this node's workers", self.pc.master_addr, self.pc.master_port,
-                             MASTER_SILENT_S)
+            if self._monitor.poll(0):
+                recv_monitor_message(self._monitor)
+                self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
+            if now - self._last_heard > self._silent_limit:
+                logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this "
+                             "node's workers", self.pc.master_addr, self.pc.master_port,
+                             now - self._last_heard, ", its connection closed"
+                             if self._silent_limit < MASTER_SILENT_S else "")
                 return 1
             if pending:
                 pending = self._collect_ready(pending)

@@ -64,6 +64,7 @@ class MultiprocExecutor(Executor):
         self.monitor: WorkerMonitor | None = None
         self.remote: RemoteNodes | None = None
         self._store: dist.TCPStore | None = None
+        self.store_port = 0  # across nodes: torch's store (closed once all ready)
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-dist-")
         # Node-major ranks: node 0's are the broadcast's shared-memory readers 0..L-1, the
         # other nodes' read over its TCP path.
@@ -98,6 +99,7 @@ class MultiprocExecutor(Executor):
             self._store = dist.TCPStore(pc.master_addr, 0, is_master=True,
                                         wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=timeout_s))
+            self.store_port = self._store.port
             init_method = f"{STORE_CLIENT_SCHEME}{pc.master_addr}:{self._store.port}"
         broadcast = self.rpc.broadcast.export_handle()
         if self.remote is not None:
@@ -120,6 +122,11 @@ class MultiprocExecutor(Executor):
                          abort=lambda: self.remote.failure if self.remote else None)
         self.monitor = WorkerMonitor(self.workers, self._on_worker_death)
         self._check_nodes()
+        if self.config.device_config.device == "cpu":
+            # Every rank is READY: gloo has connected its pairs and built every group, and
+            # needs the store no more (NCCL makes communicators lazily, through it). Closed,
+            # its unauthenticated port serves nobody.
+            self._store = None
 
     def _check_nodes(self) -> None:
         if self.remote is not None and self.remote.failure is not None:

@@ -226,7 +226,9 @@ class RemoteNodes:
                     f"and the same SHARDSERVE_CLUSTER_SECRET")
             if self._sock.poll(_POLL_MS):
                 self._take_hello(*self._recv())
-            self._drain_monitor()  # (disconnects now: refused or impostor peers; nothing to do)
+            self._drain_monitor()  # a node that said hello and left already: failed
+            if self.failure is not None:
+                raise WorkerStartupError(self.failure)
         for node in self.nodes.values():
             send(self._sock, NodeStart(config, broadcast, init_method, node.ranks), node.identity)
         self._thread = threading.Thread(target=self._watch, name="shardserve-node-watch",

@@ -294,14 +294,35 @@ def test_headless_node_exits_when_node_0_dies(four_layer_model, cluster_env, tmp
     assert gone_within(lambda: set(our_segments()) - segments_before, 10), our_segments()
 
 
+def _listening_ports(pids: set[int]) -> set[int]:
+    ports = set()
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        ports |= {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+    return ports
+
+
+def _cluster_pids(node1: Headless, before: set[int]) -> set[int]:
+    ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    return (ours - before) | {os.getpid()} | node1.tree()
+
+
 def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cluster_env,
                                                              no_leftovers):
-    """The handshake port, the broadcast's TCP port and node 1's reply-queue port: strangers
-    there receive nothing, and the engine's steps take as long with them connected."""
+    """The handshake port, the broadcast's TCP port and node 1's reply-queue port get keyed
+    and keyless ZMQ strangers and raw junk; every other port either side listens on (torch's
+    own: gloo's listeners) gets a raw connection that says nothing. None of them receives
+    anything, and the engine's steps take as long with them connected. (torch's rendezvous
+    store is closed once every rank is ready.)"""
     flags = ["--tensor-parallel-size", "2", "--max-model-len", "128"]
     strangers_: list = []
+    ports_before = _listening_ports({os.getpid()})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128,
-                   tensor_parallel_size=2) as (llm, _):
+                   tensor_parallel_size=2) as (llm, node1):
         params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         llm.generate(["warm up"] * 8, params, use_tqdm=False)
 
@@ -316,12 +337,22 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
             rpc = llm.engine.core.executor.rpc
             strangers_ += strangers(f"tcp://127.0.0.1:{llm.config.parallel_config.master_port}",
                                     zmq.DEALER)
+            ours = [llm.config.parallel_config.master_port,
+                    *(int(h.remote_addr.rsplit(":", 1)[1])
+                      for h in (rpc.broadcast.export_handle(), rpc.reply_handles[1]))]
             strangers_ += strangers(rpc.broadcast.export_handle().remote_addr)
             strangers_ += strangers(rpc.reply_handles[1].remote_addr)
+            others = _listening_ports(_cluster_pids(node1, before)) - ports_before - set(ours)
+            for port in sorted(others):
+                strangers_.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            store = llm.engine.core.executor.store_port
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", store), timeout=5).close()
             time.sleep(0.5)
             watched = timed()
             assert_received_nothing(strangers_)
-            print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with 9 strangers")
+            print(f"\n3 x 8 x 64 tokens: {alone:.2f} s alone, {watched:.2f} s with "
+                  f"{len(strangers_)} strangers (torch's ports: {sorted(others)})")
             assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
         finally:
             for sock in strangers_:
