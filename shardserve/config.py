@@ -350,6 +350,12 @@ class ParallelConfig:
         replica = self.data_parallel_rank if replica is None else replica
         return (replica * self.world_size + rank) // self.ranks_per_node
 
+    def local_rank_of(self, rank: int, replica: int | None = None) -> int:
+        """Rank `rank`'s index among every replica's ranks on its machine (its CUDA device)."""
+        replica = self.data_parallel_rank if replica is None else replica
+        number = replica * self.world_size + rank
+        return number - self.node_of(rank, replica) * self.ranks_per_node
+
     def ranks_on_node(self, node: int, replica: int | None = None) -> tuple[int, ...]:
         """Replica `replica`'s ranks on `node` (consecutive; node 0's are a prefix)."""
         return tuple(r for r in range(self.world_size) if self.node_of(r, replica) == node)

@@ -113,21 +113,18 @@ class HeadlessNode:
             logger.info("node %d: starting replica %d's ranks %s", self.pc.node_rank,
                         self.replica, list(start.ranks))
             pc = start.config.parallel_config
-            first = self.replica * pc.world_size - self.pc.node_rank * pc.ranks_per_node
             start_workers(start.config, start.broadcast, start.init_method, pc.worker_cls,
                           ranks=list(start.ranks), reply_ip=self.ip, into=self.workers,
-                          local_ranks=[first + r for r in start.ranks])
-            return self._serve(start)
+                          local_ranks=[pc.local_rank_of(r, self.replica) for r in start.ranks])
+            return self._serve()
         finally:
-            stop_workers(self.workers, 0.0 if self._failed else _STOP_GRACE_S)
+            stop_workers(self.workers, 0.0)  # (after NodeStop they have stopped already)
             for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
                 if not h.process.is_alive():
                     unlink_segments_of(h.pid)
             self.sock.disable_monitor()
             self._monitor.close(linger=0)
             self.sock.close(linger=1000)
-
-    _failed = True  # until a NodeStop arrives
 
     def _await_start(self) -> NodeStart | None:
         pc = self.pc
@@ -160,7 +157,7 @@ class HeadlessNode:
         self._last_heard = time.monotonic()
         return msg
 
-    def _serve(self, start: NodeStart) -> int:
+    def _serve(self) -> int:
         pending = list(self.workers)
         while self._monitor.poll(0):  # closes before the start (refused attempts): not news
             recv_monitor_message(self._monitor)
@@ -169,7 +166,6 @@ class HeadlessNode:
             if isinstance(msg, NodeStop):
                 logger.info("node %d: node 0 asked us to stop (%s)", self.pc.node_rank,
                             msg.reason)
-                self._failed = False
                 stop_workers(self.workers, _STOP_GRACE_S)
                 send(self.sock, NodeBye())
                 return 0
@@ -220,7 +216,7 @@ class HeadlessNode:
                 still.append(h)
         if not still:
             handles = {h.rank: h.reply_handle for h in self.workers}
-            send(self.sock, NodeReady(handles, {h.rank: h.pid for h in self.workers}))
+            send(self.sock, NodeReady(handles))
             logger.info("node %d: ranks %s ready", self.pc.node_rank, sorted(handles))
         return still
 

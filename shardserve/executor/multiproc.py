@@ -107,8 +107,7 @@ class MultiprocExecutor(Executor):
         # Appended to as each starts, so that a failure or signal part-way stops those too.
         start_workers(self.config, broadcast, init_method, pc.worker_cls,
                       ranks=self.local_ranks, into=self.workers,
-                      local_ranks=[pc.data_parallel_rank * self.world_size + r
-                                   for r in self.local_ranks])
+                      local_ranks=[pc.local_rank_of(r) for r in self.local_ranks])
         self._check_nodes()
         wait_for_ready(self.workers, timeout_s)
         replies = [h.reply_handle for h in self.workers]

@@ -3,15 +3,17 @@
 One authenticated ZMQ connection per headless node, node 0 listening:
 
     node 0: engine + MultiprocExecutor                node R: `shardserve serve --headless`
-    ROUTER tcp://master_addr:master_port              DEALER, identity b"node-R"
-    (CURVE server; ZAP admits the cluster's key)      (CURVE client, keys from the secret)
-                                  ◀── NodeHello(node_rank, ip, pid, nnodes, world_size)  1/s
+    ROUTER tcp://master_addr:master_port + i          DEALER, identity b"node-R-<pid>-<random>"
+    (replica i; CURVE server, ZAP admits the          (CURVE client, keys from the secret)
+    cluster's key)
+                                  ◀── NodeHello(node_rank, ip, pid, nnodes, world_size,
+                                                data_parallel_size, replica)  once a second
     NodeStart(config, broadcast handle, torch
               init_method, ranks)             ──▶ starts its ranks' worker processes
                                   ◀── NodeReady({rank: reply-queue handle}) | NodeFailed(why)
     Heartbeat every 0.2 s                     ◀─▶ Heartbeat every 0.2 s
-      its connection closed (socket monitor,      node 0 silent 5 s → stop workers, exit 1
-      matched by fd), or silent 2.5 s once
+      its connection closed (socket monitor,      node 0 silent 5 s (2 s once the connection
+      matched by fd), or silent 2.5 s once        closed) → stop workers, exit 1
       ready → node dead (EngineDeadError)
                                   ◀── NodeFailed(a worker died)
     NodeStop(reason)                          ──▶ stop its workers, NodeBye, exit
@@ -75,7 +77,6 @@ class NodeStart:
 @dataclass(frozen=True)
 class NodeReady:
     reply_handles: dict[int, Handle]
-    pids: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ def ensure_cluster_secret(config: EngineConfig) -> None:
 
 def route_ip(master_addr: str, master_port: int) -> str:
     """This machine's address on the route to node 0 (what node 0 can reach us at)."""
-    if envs.host_ip():
-        return envs.host_ip() or ""
+    if ip := envs.host_ip():
+        return ip
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((master_addr, master_port))  # UDP: no packet is sent
         return s.getsockname()[0]
@@ -344,8 +345,7 @@ class RemoteNodes:
         node.fd = fd  # (a reconnection gets a new one)
         if isinstance(msg, NodeBye):
             if not node.gone:
-                node.gone = True
-                self._fail(f"{node.describe()} left on its own")
+                self._lose(node, "left on its own")
         elif isinstance(msg, NodeFailed):
             self._fail(f"{node.describe()}: {msg.reason}")
         elif isinstance(msg, NodeReady):
