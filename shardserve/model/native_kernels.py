@@ -8,8 +8,9 @@ per-layer ops around it (RMSNorm with the residual add, RoPE, SiLU*up, the KV-ca
 PyTorch 10-70 us each in dispatch and temporaries, 30 layers a step; in C they are one call each.
 
 Build: `gcc -O3 -march=native -fopenmp -shared` (compiler: SHARDSERVE_CC) into a cache folder
-(SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the source, the flags, the
-compiler and the CPU's flags, so an edit, another compiler or another CPU gets its own library.
+(SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the sources and their
+shared header (csrc/kernels_common.h), the flags, the compiler and the CPU's flags, so an edit,
+another compiler or another CPU gets its own library.
 The library is written to a temporary name and renamed, so processes building at once never load
 a half-written file. Without a compiler every caller falls back to the PyTorch path, with one
 warning; SHARDSERVE_NATIVE_KERNELS=0 forces that fallback. A compiler that is present but fails
@@ -45,6 +46,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
+# What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
+# them, so an edit to it rebuilds; its folder is on the include path, so a `source` copied
+# elsewhere (the tests' broken copy) still finds it.
+HEADER = Path(__file__).parent / "csrc" / "kernels_common.h"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 _FLAGS = (
@@ -119,19 +124,16 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
     sources = (source_path, QUANT_SOURCE, DECODE_SOURCE)
-    source = b"".join(p.read_bytes() for p in sources)
-    key = hashlib.sha256(
-        source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
-    ).hexdigest()[:16]
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
-    target = cache / f"cpu_kernels-{key}.so"
+    target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, *map(str, sources), "-o", tmp]
+        # -I is not in the key: the header's bytes are, wherever it lies.
+        cmd = [compiler, *flags, f"-I{HEADER.parent}", *map(str, sources), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
@@ -140,6 +142,14 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> str:
+    """What decides a rebuild: the sources and the header they include, flags, compiler, CPU."""
+    source = b"".join(p.read_bytes() for p in (*sources, HEADER))
+    return hashlib.sha256(
+        source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
+    ).hexdigest()[:16]
 
 
 def _compiler_version(compiler: str) -> bytes:

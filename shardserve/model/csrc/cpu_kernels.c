@@ -18,28 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DT_F32 0
-#define DT_BF16 1
+#include "kernels_common.h"
 
 /* Elementwise kernels use threads only from this many elements on: below it one thread takes
  * ~10-20 us, and a parallel region costs more than it saves when a thread sleeps or is
  * preempted (an mp worker shares the cores with the engine process). */
 #define PARALLEL_MIN (64 * 1024)
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Load n elements of type `dtype` starting at p[0] into dst as float32. */
 static inline void load_f32(float *restrict dst, const void *restrict p, int64_t n, int dtype) {
@@ -97,7 +81,6 @@ static void finish_request(void *out, float *acc, const float *l, int64_t H, int
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* 16 elements at p (float32 or bfloat16) as float32. */
 ALWAYS_INLINE __m512 load16(const void *p, int dtype) {

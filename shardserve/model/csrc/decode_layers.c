@@ -25,21 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
-                     const void *cache, const int64_t *block_table, int64_t bt_stride,
-                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t block_size, float scale, int dtype, int num_threads);
-int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const void *weight,
-             int64_t T, int64_t N, float eps, int dtype, int num_threads);
-int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
-                 int64_t T, int64_t heads, int64_t D, int dtype, int num_threads);
-int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads);
-int cache_write(void *cache, const void *src, int64_t src_row_stride, const int64_t *slots,
-                int64_t T, int64_t slot_elems, int dtype);
-int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
-                 int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
-                 int64_t K, int num_threads);
-int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
+#include "kernels_common.h"
 
 /* One quantized weight: `rows` rows of ggml `type` blocks, row_bytes apart. */
 typedef struct {

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels_common.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define QK_SIMD 1
@@ -60,9 +62,6 @@
  * so that a 32-byte load holds two sub-blocks and 16 scales convert in one instruction. */
 #define T_R4 1004
 #define T_R8 1008
-
-#define QDT_F32 0
-#define QDT_BF16 1
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define QPARALLEL_MIN (256 * 1024)
@@ -92,21 +91,6 @@ static inline float half_to_f32(const uint8_t *p) {
     float f;
     memcpy(&f, &u, 4);
     return f;
-}
-
-static inline float q_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t q_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* Elements and bytes per block; 0 for a type this file does not handle. */
@@ -288,7 +272,7 @@ static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, floa
         float v[32], amax = 0.f;
         for (int l = 0; l < 32; l++) {
             const int64_t i = 32 * sub + l;
-            v[l] = dtype == QDT_F32 ? ((const float *)x)[i] : q_bf16_to_f32(((const uint16_t *)x)[i]);
+            v[l] = dtype == DT_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
             amax = fmaxf(amax, fabsf(v[l]));
         }
         const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
@@ -329,10 +313,10 @@ static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64
 }
 
 static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
-    if (out_dtype == QDT_F32)
+    if (out_dtype == DT_F32)
         ((float *)out)[idx] = v;
     else
-        ((uint16_t *)out)[idx] = q_f32_to_bf16(v);
+        ((uint16_t *)out)[idx] = f32_to_bf16(v);
 }
 
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
@@ -359,7 +343,7 @@ static inline float hsum8(__m256 v) {
 
 /* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
  * sub-block scales and offsets (filled by the caller once per block). */
-static inline __attribute__((always_inline)) __m256i fused_sub(
+ALWAYS_INLINE __m256i fused_sub(
     int TYPE, const uint8_t *blk, int j, const float *k_s, const float *k_m, float *s, float *m) {
     if (TYPE == T_Q4_0 || TYPE == T_Q4_1) {
         const float d = half_to_f32(blk);
@@ -401,8 +385,7 @@ static inline __attribute__((always_inline)) __m256i fused_sub(
 }
 
 /* A K-quant block's sub-block scales (8 for Q4_K/Q5_K, 16 half-scales for Q6_K). */
-static inline __attribute__((always_inline)) void fused_block_scales(
-    int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
+ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
     if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
         const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
         for (int j = 0; j < 8; j++) {
@@ -429,11 +412,11 @@ typedef __m512 acc_t;
 typedef __m512i wide_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
 static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
-static inline __attribute__((always_inline)) wide_t widen(int TYPE, __m256i w) {
+ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
     return TYPE == T_Q8_0 ? _mm512_cvtepi8_epi16(w) : _mm512_cvtepu8_epi16(w);
 }
-static inline __attribute__((always_inline)) acc_t mac_sub(int per_half, acc_t acc, wide_t w,
-                                                           const int16_t *x, float s0, float s1) {
+ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
+                            float s1) {
     const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
     const __m512 sv = per_half ? _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
                                : _mm512_set1_ps(s0);
@@ -444,15 +427,15 @@ typedef __m256 acc_t;
 typedef struct { __m256i lo, hi; } wide_t;
 static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
 static inline float acc_sum(acc_t a) { return hsum8(a); }
-static inline __attribute__((always_inline)) wide_t widen(int TYPE, __m256i w) {
+ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
     const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
     wide_t out;
     out.lo = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
     out.hi = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
     return out;
 }
-static inline __attribute__((always_inline)) acc_t mac_sub(int per_half, acc_t acc, wide_t w,
-                                                           const int16_t *x, float s0, float s1) {
+ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
+                            float s1) {
     const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
     const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
     if (!per_half)
@@ -462,7 +445,7 @@ static inline __attribute__((always_inline)) acc_t mac_sub(int per_half, acc_t a
 }
 #endif
 
-static inline __attribute__((always_inline)) void fused_row(
+ALWAYS_INLINE void fused_row(
     int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
     const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
     const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
@@ -540,8 +523,8 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
 }
 
 /* One weight row of K elements as float32 / bfloat16 (s * q + m in one fused rounding). */
-static inline __attribute__((always_inline)) void fast_dequant_row(
-    int TYPE, const uint8_t *row, int64_t K, void *out, int out_dtype) {
+ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, void *out,
+                                    int out_dtype) {
     const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
     const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
                     : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
@@ -560,7 +543,7 @@ static inline __attribute__((always_inline)) void fast_dequant_row(
                                                     : _mm256_cvtepu8_epi32(bytes8);
                 const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s[g / 2]),
                                                  _mm256_set1_ps(m[g / 2]));
-                if (out_dtype == QDT_F32)
+                if (out_dtype == DT_F32)
                     _mm256_storeu_ps((float *)out + base + 8 * g, v);
                 else
                     _mm_storeu_si128((__m128i *)((uint16_t *)out + base + 8 * g), f32x8_to_bf16(v));
@@ -586,7 +569,7 @@ int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t ro
         type == T_R4 || type == T_R8)
         return -2;
 #if QK_SIMD
-    const size_t esize = out_dtype == QDT_F32 ? 4 : 2;
+    const size_t esize = out_dtype == DT_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(N * K >= QPARALLEL_MIN ? num_threads : 1) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         switch (type) {
@@ -614,9 +597,8 @@ int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t ro
  * broadcast), and the offsets' share m . xs32 is one vector FMA. Per sub-block what remains is
  * a widen, a load of x, vpmaddwd, a conversion and an FMA.
  */
-static inline __attribute__((always_inline)) void r_row(int TYPE, int NB, const uint8_t *row,
-                                                        const xquant_t *xq, int64_t b0, int64_t K,
-                                                        float *res) {
+ALWAYS_INLINE void r_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
+                         int64_t K, float *res) {
     const int64_t nsub = K / 32;
     const uint8_t *d16 = row + (TYPE == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
     __m512 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
@@ -735,7 +717,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         rc = -1;
         goto done;
     }
-    const size_t esize = dtype == QDT_F32 ? 4 : 2;
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
     for (int64_t b = 0; b < B; b++)
         quantize_x_row((const char *)x + (size_t)(b * x_stride) * esize, K, dtype, xq.q + b * K,
                        xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));

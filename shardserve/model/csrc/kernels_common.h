@@ -1,0 +1,56 @@
+/*
+ * What the kernel sources share (cpu_kernels.c, quant_kernels.c, decode_layers.c; all built into
+ * one library by shardserve/model/native_kernels.py, which hashes this header with them so an
+ * edit here rebuilds the library): the element types, the bfloat16 conversions, and the
+ * prototypes of the functions one file calls from another. Declaring them once here, included
+ * by the file that defines them too, lets the compiler check every caller against the definition.
+ */
+#ifndef SHARDSERVE_KERNELS_COMMON_H
+#define SHARDSERVE_KERNELS_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* Element types (the `dtype` arguments; native_kernels.py's _DTYPES). */
+#define DT_F32 0
+#define DT_BF16 1
+
+/* For the small helpers of the SIMD paths, which must inline into their loops to be fast. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Rounded to nearest even, as torch rounds; a NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* cpu_kernels.c */
+int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
+                     const void *cache, const int64_t *block_table, int64_t bt_stride,
+                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t block_size, float scale, int dtype, int num_threads);
+int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const void *weight,
+             int64_t T, int64_t N, float eps, int dtype, int num_threads);
+int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
+                 int64_t T, int64_t heads, int64_t D, int dtype, int num_threads);
+int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads);
+int cache_write(void *cache, const void *src, int64_t src_row_stride, const int64_t *slots,
+                int64_t T, int64_t slot_elems, int dtype);
+int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
+
+/* quant_kernels.c */
+int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
+                 int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
+                 int64_t K, int num_threads);
+
+#endif

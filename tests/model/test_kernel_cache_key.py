@@ -1,0 +1,37 @@
+"""The cached kernel library's name covers the shared header (csrc/kernels_common.h): an edit to
+it must rebuild, as an edit to a .c file does, or a stale library would run old helpers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardserve.model import native_kernels as nk
+
+pytestmark = pytest.mark.skipif(
+    not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
+)
+
+SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.DECODE_SOURCE)
+
+
+def _key() -> str:
+    return nk._cache_key(shutil.which("gcc") or "gcc", nk.PORTABLE_ARCH, SOURCES)
+
+
+def test_a_header_edit_changes_the_cache_key(monkeypatch, tmp_path: Path) -> None:
+    before = _key()
+    edited = tmp_path / nk.HEADER.name
+    edited.write_bytes(nk.HEADER.read_bytes() + b"\n/* edited */\n")
+    monkeypatch.setattr(nk, "HEADER", edited)
+    assert _key() != before
+
+
+def test_the_header_is_included_by_every_source() -> None:
+    """Each file takes the shared helpers from the header, none keeps its own copy."""
+    for path in SOURCES:
+        text = path.read_text()
+        assert f'#include "{nk.HEADER.name}"' in text, path.name
+        assert "static inline float bf16_to_f32" not in text, path.name
