@@ -78,6 +78,13 @@ static void finish_request(void *out, float *acc, const float *l, int64_t H, int
 /* Slots per online-softmax step: one AVX-512 vector of scores. */
 #define GROUP 16
 
+/* Slot t of a request's context (blocks: its block table row) in the paged cache. */
+static inline const char *slot_at(const void *cache, const int64_t *blocks, int64_t t,
+                                  int64_t block_size, size_t slot_bytes) {
+    return (const char *)cache
+           + (size_t)(blocks[t / block_size] * block_size + t % block_size) * slot_bytes;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -237,6 +244,13 @@ static void group_values(float *acc, const float *p, const char *v0, int64_t n, 
     }
 }
 
+/* Slots of the group starting at `start`: up to GROUP, never across a block end. */
+ALWAYS_INLINE int64_t group_len(int64_t start, int64_t seq_len, int64_t block_size) {
+    const int64_t n = seq_len - start < GROUP ? seq_len - start : GROUP;
+    const int64_t in_block = block_size - start % block_size;
+    return n < in_block ? n : in_block;
+}
+
 /* Ask for the slots of the group starting at `start` (the next one) while this one computes:
  * blocks are scattered through the pool, so the hardware prefetcher loses the stream at every
  * block boundary, and the context of a step does not fit in the caches. Into L2 (T1): measured
@@ -244,12 +258,8 @@ static void group_values(float *acc, const float *p, const char *v0, int64_t n, 
 ALWAYS_INLINE void prefetch_group(const void *cache, const int64_t *blocks, int64_t start,
                                   int64_t seq_len, int64_t block_size, size_t slot_bytes) {
     if (start >= seq_len) return;
-    int64_t n = seq_len - start < GROUP ? seq_len - start : GROUP;
-    const int64_t in_block = block_size - start % block_size;
-    n = n < in_block ? n : in_block;
-    const char *p = (const char *)cache
-                    + (size_t)(blocks[start / block_size] * block_size + start % block_size)
-                          * slot_bytes;
+    const int64_t n = group_len(start, seq_len, block_size);
+    const char *p = slot_at(cache, blocks, start, block_size, slot_bytes);
     for (size_t off = 0; off < (size_t)n * slot_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
@@ -267,12 +277,8 @@ static void decode_request_avx512(void *out, const void *q, const void *cache,
 #endif
     int64_t cnt;
     for (int64_t start = 0; start < seq_len; start += cnt) {
-        /* up to GROUP slots, never across a block end */
-        const int64_t n = seq_len - start < GROUP ? seq_len - start : GROUP;
-        const int64_t in_block = block_size - start % block_size;
-        cnt = n < in_block ? n : in_block;
-        const char *slot0 = (const char *)cache + (size_t)(blocks[start / block_size] * block_size
-                                                           + start % block_size) * slot_bytes;
+        cnt = group_len(start, seq_len, block_size);
+        const char *slot0 = slot_at(cache, blocks, start, block_size, slot_bytes);
         prefetch_group(cache, blocks, start + cnt, seq_len, block_size, slot_bytes);
         for (int64_t h = 0; h < H; h++) {
             const char *k0 = slot0 + (size_t)((h / G) * D) * esize;
@@ -310,9 +316,7 @@ static void decode_request_scalar(void *out, const void *q, const void *cache,
     float *score = row + D;
     start_request(qf, acc, m, l, q, H, D, scale, dtype);
     for (int64_t t = 0; t < seq_len; t++) {
-        const char *slot = (const char *)cache
-                           + (size_t)(blocks[t / block_size] * block_size + t % block_size)
-                                 * slot_bytes;
+        const char *slot = slot_at(cache, blocks, t, block_size, slot_bytes);
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             load_f32(row, slot + (size_t)(kvh * D) * esize, D, dtype);
             for (int64_t g = 0; g < G; g++) score[g] = dot_f32(qf + (kvh * G + g) * D, row, D);
