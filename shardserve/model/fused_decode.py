@@ -25,9 +25,10 @@ from shardserve.model import native_kernels
 from shardserve.model.quantization import DENSE_MIN_ROWS
 
 if TYPE_CHECKING:
-    from shardserve.model.attention import AttentionMetadata, RopeStep
+    from shardserve.model.attention import AttentionMetadata
     from shardserve.model.layers import MatmulLayer
     from shardserve.model.llama import LlamaDecoderLayer
+    from shardserve.model.rotary import RopeStep
 
 _i64, _ptr, _f32, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -21,12 +21,7 @@ from torch import nn
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels
 from shardserve.model.arch import ModelArch
-from shardserve.model.attention import (
-    AttentionMetadata,
-    RopeStep,
-    RotaryEmbedding,
-    paged_attention,
-)
+from shardserve.model.attention import AttentionMetadata, paged_attention
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.layers import (
     MatmulLayer,
@@ -37,6 +32,7 @@ from shardserve.model.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from shardserve.model.rotary import RopeStep, RotaryEmbedding
 
 
 def check_tp_size(arch: ModelArch, tp_size: int) -> None:
