@@ -24,7 +24,7 @@ import signal
 import sys
 from itertools import count
 
-from shardserve.config import EngineConfig
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.core_proc import EngineOutputs, EngineRequest
 from shardserve.engine.request import Request
 from shardserve.entrypoints.server.async_engine import AsyncEngineClient
@@ -106,7 +106,7 @@ class _Http(asyncio.Protocol):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = EngineConfig.from_kwargs(args.model, dtype=args.dtype,
+    config = engine_config_from_kwargs(args.model, dtype=args.dtype,
                                       max_model_len=args.max_model_len,
                                       max_num_seqs=args.max_num_seqs)
     client = AsyncEngineClient(config)

@@ -20,10 +20,10 @@ LAYERS = {
     "engine": 4,
     "executor": 3,
     "worker": 2,
-    # Above the model only: it reads the architecture from the model's files (model.arch,
-    # model.loader); the model never reads the engine's config.
-    "config": 1.5,
     "model": 1,
+    # Plain data below the model (engine/config_builder.py reads the model's files); it uses
+    # distributed's RankLayout for the rank arithmetic.
+    "config": 0.5,
     # Below all: leaves that the layers above share.
     "ipc": 0,
     "distributed": 0,
@@ -105,3 +105,48 @@ def test_the_checker_catches_an_upward_import(tmp_path):
         ("shardserve.envs", 0),
     ]
     assert _layer_of("shardserve.executor.bad") < _layer_of(imports[0][1])
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top or inside functions); `from
+    pkg import name` counts as importing pkg.name where that is a module. Imports under
+    `if TYPE_CHECKING:` never run, so they make no circle."""
+    known = {module for _, module in _modules()}
+    known |= {m.removesuffix(".__init__") for m in known}
+    edges: dict[str, set[str]] = {}
+    for path, module in _modules():
+        name = module.removesuffix(".__init__")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+                node.body = []
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = module.split(".")[: -node.level]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                subs = {f"{base}.{alias.name}" for alias in node.names} & known
+                targets |= subs or {base}
+        edges[name] = {t for t in targets if t in known and t != name}
+    return edges
+
+
+def _mutual_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if a < b and a in edges.get(b, set()))
+
+
+def test_no_two_modules_import_each_other():
+    pairs = _mutual_imports(_module_edges())
+    assert not pairs, "modules that import each other (lazily or not):\n" + "\n".join(
+        f"{a} <-> {b}" for a, b in pairs)
+
+
+def test_the_circle_check_can_fail():
+    edges = {"shardserve.engine.a": {"shardserve.engine.b"},
+             "shardserve.engine.b": {"shardserve.engine.a", "shardserve.envs"}}
+    assert _mutual_imports(edges) == [("shardserve.engine.a", "shardserve.engine.b")]

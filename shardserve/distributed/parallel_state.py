@@ -5,8 +5,8 @@ Model layers call `get_tp_group()` and use only `.rank`, `.world_size`, `.all_re
 identity, so the same layer code runs unsharded in one process. The model runner calls
 `get_pp_group()` for its stage and the hand-off of hidden states between stages.
 
-Layout (stage-major): global rank = stage x TP + tp_rank. TP group of stage s: ranks
-[s*TP, (s+1)*TP); with one stage it is the whole world.
+The groups come from the replica's RankLayout (rank_layout.py): TP groups are consecutive ranks,
+one per stage; with one stage the TP group is the whole world.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardserve import envs
 from shardserve.distributed.pipeline import PipelineGroup
+from shardserve.distributed.rank_layout import RankLayout
 from shardserve.distributed.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
@@ -89,24 +90,24 @@ def init_distributed(
     init_method: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
-    tp_size: int | None = None,
+    layout: RankLayout | None = None,
     pp_slot_bytes: int = 16 << 20,
     pp_timeout_s: float = 300.0,
     nodes: list[int] | None = None,
 ) -> GroupCoordinator:
     """Join the default process group and build this rank's TP and PP groups.
 
-    tp_size: ranks per pipeline stage (default: the whole world, one stage). pp_slot_bytes: the
+    layout: the replica's ranks (default: TP over the whole world, one stage). pp_slot_bytes: the
     largest hand-off between stages that goes through shared memory (bigger ones: gloo);
     pp_timeout_s bounds a wait for a neighbour stage there. nodes: the machine of each rank
     (several machines): shared memory only joins ranks of one node — on a loopback test's two
     "nodes" it would work, and hide the path real nodes take.
     """
     global _TP_GROUP, _PP_GROUP
-    tp_size = tp_size or world_size
-    if world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not a multiple of tp_size={tp_size}")
-    pp_size = world_size // tp_size
+    layout = (layout or RankLayout(tp=world_size)).replica()
+    if layout.world_size != world_size:
+        raise ValueError(f"world size {world_size} is not the layout's {layout.world_size}")
+    tp_size, pp_size = layout.tp, layout.pp
     if world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if init_method.startswith(STORE_CLIENT_SCHEME):
@@ -119,15 +120,16 @@ def init_distributed(
         else:
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
                                     world_size=world_size, timeout=timeout)
-    stage, tp_rank = divmod(rank, tp_size)
-    _TP_GROUP = GroupCoordinator(tp_rank, tp_size, _stage_group(stage, tp_size, pp_size),
-                                 first_global_rank=stage * tp_size)
-    _PP_GROUP = PipelineGroup(stage, pp_size, tp_size, tp_rank)
+    where = layout.coords(rank)
+    tp_groups = layout.replica_groups("tp")
+    tp_ranks = layout.group_of("tp", rank)
+    _TP_GROUP = GroupCoordinator(where.tp, tp_size, _tp_group(tp_groups, tp_ranks),
+                                 first_global_rank=tp_ranks[0])
+    _PP_GROUP = PipelineGroup(where.pp, tuple(layout.group_of("pp", rank)))
     nodes = nodes or [0] * world_size
     if world_size > 1 and backend == "gloo" and envs.shm_allreduce():
         # Every rank takes the same branches (each below is a collective over its group).
-        if tp_size > 1 and all(len(set(nodes[s * tp_size:(s + 1) * tp_size])) == 1
-                               for s in range(pp_size)):
+        if tp_size > 1 and all(len({nodes[r] for r in g}) == 1 for g in tp_groups):
             _TP_GROUP.shm = _attach_shm_allreduce(_TP_GROUP)
         elif tp_size > 1:
             logger.info("a TP group spans nodes: gloo all-reduce")
@@ -136,15 +138,13 @@ def init_distributed(
     return _TP_GROUP
 
 
-def _stage_group(stage: int, tp_size: int, pp_size: int) -> object | None:
-    """The torch.distributed group of one stage's TP ranks (the world with one stage).
+def _tp_group(tp_groups: list[list[int]], mine: list[int]) -> object | None:
+    """The torch.distributed group of this rank's TP ranks (the world with one group).
     Every rank must create every group, in the same order, even those it is not in."""
-    if tp_size * pp_size == 1:
-        return None
-    if pp_size == 1:
-        return dist.group.WORLD
-    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
-    return groups[stage]
+    if len(tp_groups) == 1:
+        return dist.group.WORLD if len(mine) > 1 else None
+    groups = [dist.new_group(g) for g in tp_groups]
+    return groups[tp_groups.index(mine)]
 
 
 def _attach_shm_allreduce(coord: GroupCoordinator) -> ShmAllReduce | None:

@@ -1,7 +1,8 @@
 """The pipeline-parallel group of one rank: its stage, and the hand-off of hidden states.
 
-Ranks are laid out stage-major: global rank = stage x TP + tp_rank. Stage s's TP rank t hands
-its (hidden, residual) pair to stage s+1's TP rank t (after a stage's last all-reduce every TP
+A rank's pipeline group (RankLayout.pp_groups: the ranks at its place in every stage, in
+stage order) names its neighbours: stage s's TP rank t hands its (hidden, residual) pair to
+stage s+1's TP rank t (after a stage's last all-reduce every TP
 rank of it holds the same full tensors). Ranks of one machine use a `ShmPipe` per neighbour;
 elsewhere, or for a message bigger than a slot, torch.distributed send/recv (gloo or NCCL).
 Sends of stage s and receives of stage s+1 happen in the same (step) order on both sides.
@@ -21,12 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class PipelineGroup:
-    """Stage `stage` of `num_stages`; `prev_rank`/`next_rank` are global ranks (None at ends)."""
+    """Stage `stage` of the pipeline `peers` (the group's ranks in stage order);
+    `prev_rank`/`next_rank` are ranks of the world (None at the ends)."""
 
-    def __init__(self, stage: int = 0, num_stages: int = 1, tp_size: int = 1, tp_rank: int = 0):
-        self.stage, self.num_stages = stage, num_stages
-        self.prev_rank = (stage - 1) * tp_size + tp_rank if stage > 0 else None
-        self.next_rank = (stage + 1) * tp_size + tp_rank if stage < num_stages - 1 else None
+    def __init__(self, stage: int = 0, peers: tuple[int, ...] = (0,)):
+        self.stage, self.num_stages = stage, len(peers)
+        self.prev_rank = peers[stage - 1] if stage > 0 else None
+        self.next_rank = peers[stage + 1] if stage < len(peers) - 1 else None
         self.send_pipe: ShmPipe | None = None
         self.recv_pipe: ShmPipe | None = None
         # Which path each hand-off took, for tests and benchmarks (as GroupCoordinator's).

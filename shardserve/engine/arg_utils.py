@@ -26,23 +26,30 @@ from shardserve.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    MultiNodeConfig,
     ObservabilityConfig,
     ParallelConfig,
+    RayConfig,
     SchedulerConfig,
 )
+from shardserve.config.engine import NOT_OPTIONS
+from shardserve.engine.config_builder import engine_config_from_kwargs
 
 ENGINE_CONFIGS: tuple[type, ...] = (
     ModelConfig,
     CacheConfig,
     ParallelConfig,
+    RayConfig,
+    MultiNodeConfig,
     SchedulerConfig,
     DeviceConfig,
     ObservabilityConfig,
 )
-# Fields that are not flags: `model` is --model, ModelConfig.device comes from DeviceConfig.
+# Fields that are not flags: those that are no options (`model` is --model, ModelConfig.device
+# comes from DeviceConfig, the resolved files, the nested configs), and the replica's index.
 _HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {
-    ModelConfig: frozenset({"model", "device"}),
-    ParallelConfig: frozenset({"data_parallel_rank"}),  # set by the front end, per replica
+    **{cls: frozenset(names) for cls, names in NOT_OPTIONS.items()},
+    ParallelConfig: frozenset({*NOT_OPTIONS[ParallelConfig], "data_parallel_rank"}),
 }
 # The engine's `seed` would clash with the per-request sampling --seed.
 _ENGINE_RENAMES = {"seed": "engine-seed"}
@@ -194,7 +201,7 @@ class _EngineArgsMethods:
         values = dataclasses.asdict(self)  # type: ignore[call-overload]
         model = values.pop("model")
         defaults = {f.field: f.default for f in engine_flags()}
-        return EngineConfig.from_kwargs(
+        return engine_config_from_kwargs(
             model, **{k: v for k, v in values.items() if v != defaults.get(k)})
 
 

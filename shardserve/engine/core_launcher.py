@@ -1,8 +1,11 @@
 """Start and stop engine-core processes (core_proc.py), one per data-parallel replica.
 
-Start: every replica is spawned first, then each one's "ready" is awaited, so N replicas load
+Start: every replica is started first, then each one's "ready" is awaited, so N replicas load
 their models at the same time. A replica that fails to start stops the others (no process is
-left behind) and its error is raised.
+left behind) and its error is raised. They start as the mp workers do (start_method.py): forked
+where that is safe, so a user's script needs no `if __name__ == "__main__":` guard; else spawned,
+refused first, naming the line to guard, when the script would start an engine again on its
+re-import.
 
 Liveness: a front end watches each process's sentinel; each process polls the read end of a
 "death pipe" whose write end only the front end holds, so EOF there means the front end is gone
@@ -26,8 +29,10 @@ from dataclasses import replace
 from typing import Any
 
 from shardserve.config import EngineConfig
-from shardserve.engine.core_proc import EngineAddresses, run_engine_core
+from shardserve.engine.core_proc import EngineCoreArgs, run_engine_core
+from shardserve.engine.core_wire import EngineAddresses
 from shardserve.executor.node_link import ensure_cluster_secret
+from shardserve.executor.start_method import check_spawn_can_import_main, choose_start_method
 
 logger = logging.getLogger(__name__)
 
@@ -35,21 +40,33 @@ _JOIN_S = 2.5  # an engine process's time to stop its workers and exit before it
 
 
 class EngineCoreProcess:
-    """One engine-core process: spawned at construction, `wait_ready` before use."""
+    """One engine-core process: started at construction, `wait_ready` before use.
 
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses, engine_index: int) -> None:
+    `method`: "fork" or "spawn" (start_method.py). `inherited`: the parent's ends of the other
+    replicas' pipes, which a forked child closes first (their EOF must mean "the front end is
+    gone")."""
+
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses, engine_index: int,
+                 method: str = "spawn", inherited: tuple[int, ...] = ()) -> None:
         self.engine_index = engine_index
-        mp = multiprocessing.get_context("spawn")
+        mp = multiprocessing.get_context(method)
         self._ready_r, ready_w = mp.Pipe(duplex=False)
         death_r, self._death_w = mp.Pipe(duplex=False)
+        forked = method == "fork"
+        own = (self._ready_r.fileno(), self._death_w.fileno())
+        args = EngineCoreArgs(config, addrs, ready_w, death_r, engine_index, forked,
+                              close_fds=own + inherited if forked else ())
         name = "shardserve-engine-core" + (f"-{engine_index}" if engine_index else "")
-        self.proc = mp.Process(target=run_engine_core,
-                               args=(config, addrs, ready_w, death_r, engine_index),
-                               name=name, daemon=False)  # it starts worker processes of its own
+        self.proc = mp.Process(target=run_engine_core, args=(args,), name=name,
+                               daemon=False)  # it starts worker processes of its own
         self.proc.start()
         ready_w.close()
         death_r.close()  # only the child may hold the read end: EOF there = we are gone
         self.num_blocks: int | None = None
+
+    def parent_fds(self) -> tuple[int, ...]:
+        """Our ends of its pipes that are still open (a forked sibling must close them)."""
+        return tuple(c.fileno() for c in (self._ready_r, self._death_w) if not c.closed)
 
     @property
     def sentinel(self) -> int:
@@ -117,7 +134,7 @@ class EngineCoreGroup:
         self._ray: Any = None  # what joining Ray did here (data_parallel_backend="ray")
         self.ray_address: str | None = None
         try:
-            if config.parallel_config.nnodes > 1:  # before the cores start: they share it
+            if config.parallel_config.multinode.nnodes > 1:  # before the cores start: they share it
                 ensure_cluster_secret(config)
             if config.parallel_config.data_parallel_backend == "ray":
                 self._join_ray(config)
@@ -139,8 +156,9 @@ class EngineCoreGroup:
         self.ray_address = ray.get_runtime_context().gcs_address
 
     def _replica_config(self, config: EngineConfig, index: int) -> EngineConfig:
-        pc = replace(config.parallel_config, data_parallel_rank=index,
-                     ray_address=self.ray_address or config.parallel_config.ray_address)
+        pc = config.parallel_config
+        ray = replace(pc.ray, ray_address=self.ray_address or pc.ray.ray_address)
+        pc = replace(pc, data_parallel_rank=index, ray=ray)
         return replace(config, parallel_config=pc)
 
     def input_addr(self, index: int) -> str:
@@ -150,12 +168,17 @@ class EngineCoreGroup:
               timeout_s: float) -> None:
         """Start replicas `indices` together; on a failure the ones started here are stopped
         and the error raised."""
-        new = []
+        method = choose_start_method()
+        if method == "spawn":
+            check_spawn_can_import_main()  # refused here, naming the script line to guard
+        new: list[EngineCoreProcess] = []
         try:
             for i in indices:
-                new.append(EngineCoreProcess(self._replica_config(config, i),
-                                             EngineAddresses(self.input_addr(i),
-                                                             self.output_addr), i))
+                inherited = tuple(fd for p in [*self.procs.values(), *new]
+                                  for fd in p.parent_fds())
+                new.append(EngineCoreProcess(
+                    self._replica_config(config, i),
+                    EngineAddresses(self.input_addr(i), self.output_addr), i, method, inherited))
             deadline = time.monotonic() + timeout_s
             for proc in new:
                 proc.wait_ready(deadline)

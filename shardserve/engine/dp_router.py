@@ -19,7 +19,7 @@ import itertools
 import logging
 
 from shardserve.config import EngineConfig, ParallelConfig
-from shardserve.engine.core_proc import SchedulerStats
+from shardserve.engine.core_wire import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,9 @@ def check_new_size(pc: ParallelConfig, data_parallel_size: object) -> None:
     """What scale() accepts, for the offline client and the server alike."""
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
-    if pc.nnodes > 1 and data_parallel_size != pc.data_parallel_size:
-        raise ValueError(f"re-scaling an engine that spans nodes (nnodes={pc.nnodes}) is not "
+    if pc.multinode.nnodes > 1 and data_parallel_size != pc.data_parallel_size:
+        raise ValueError(f"re-scaling an engine that spans nodes (nnodes="
+                         f"{pc.multinode.nnodes}) is not "
                          f"built: its ranks are laid out over the nodes at start-up; restart "
                          f"every node with --data-parallel-size {data_parallel_size}")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -11,11 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from shardserve.config import EngineConfig
-from shardserve.engine.core_client import InprocClient
-from shardserve.engine.dp_router import check_new_size
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.llm_engine import LLMEngine, PromptType
-from shardserve.engine.mp_client import MPClient
 from shardserve.model.loader import generation_defaults
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -35,7 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, **engine_options)
+        self.config = engine_config_from_kwargs(model, **engine_options)
         self.engine = LLMEngine(self.config)
         # Runs on shutdown(), on garbage collection and at interpreter exit, whichever is first.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
@@ -173,22 +169,7 @@ class LLM:
         (data_parallel_size > 1 at start) they are added or removed live, a removed one first
         finishing what it runs. An engine started with one in-process core moves to engine
         processes (it must be idle: its model is loaded again there)."""
-        client = self.engine.client
-        if not isinstance(client, InprocClient):
-            client.scale(data_parallel_size)
-            return
-        check_new_size(self.config.parallel_config, data_parallel_size)
-        if data_parallel_size == 1:
-            return
-        if client.has_unfinished_requests():
-            raise RuntimeError("scale() from the in-process engine needs it idle; finish or "
-                               "abort the requests first")
-        pc = dataclasses.replace(self.config.parallel_config,
-                                 data_parallel_size=data_parallel_size)
-        config = dataclasses.replace(self.config, parallel_config=pc)
-        new_client = MPClient(config)  # before stopping the old one: a failure keeps it
-        client.shutdown()
-        self.engine.client = new_client
+        self.engine.client = self.engine.client.scale(data_parallel_size)
 
     def sleep(self, level: int = 1) -> None:
         self.engine.client.call("sleep", level)

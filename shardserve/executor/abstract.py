@@ -15,7 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.config import BACKENDS, PP_BACKENDS, EngineConfig, KVCacheConfig
+from shardserve.config.backends import backend_of_class
 from shardserve.errors import EngineDeadError
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -23,19 +24,11 @@ logger = logging.getLogger(__name__)
 
 FailureCallback = Callable[[], None]
 
-# Backends by name; each module is imported only when chosen (Ray stays optional).
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "uni": ("shardserve.executor.uniproc", "UniProcExecutor"),
-    "mp": ("shardserve.executor.multiproc", "MultiprocExecutor"),
-    "ray": ("shardserve.executor.ray_distributed", "RayDistributedExecutor"),
-    "ray_v2": ("shardserve.executor.ray_v2", "RayExecutorV2"),
-    "external_launcher": ("shardserve.executor.external_launcher", "ExternalLauncherExecutor"),
-}
-
 
 class Executor(ABC):
     uses_ray: bool = False
     supports_pp: bool = False
+    """For a user's own backend class; the built-in ones say it in config/backends.py."""
     # execute_model of a step whose grammar bitmask comes later (`grammar_pending`) is sent at
     # once, so the forward pass overlaps the bitmask; needs calls that run in order on every
     # rank (collective_rpc). A backend that sends a step as one unit (a compiled graph) keeps
@@ -51,15 +44,13 @@ class Executor(ABC):
                 raise TypeError(f"distributed_executor_backend={backend!r} is not an Executor")
             return backend
         assert isinstance(backend, str)
-        target = _BACKENDS.get(backend)
-        if target is None:
-            if "." not in backend:
-                raise ValueError(
-                    f"distributed_executor_backend={backend!r} is not known; choose one of "
-                    f"{', '.join(_BACKENDS)} or a dotted path 'pkg.module.ExecutorClass'"
-                )
-            target = tuple(backend.rsplit(".", 1))  # type: ignore[assignment]
-        module, name = target
+        entry = BACKENDS.get(backend)
+        if entry is None and "." not in backend:
+            raise ValueError(
+                f"distributed_executor_backend={backend!r} is not known; choose one of "
+                f"{', '.join(BACKENDS)} or a dotted path 'pkg.module.ExecutorClass'"
+            )
+        module, name = (entry.module, entry.cls) if entry else backend.rsplit(".", 1)
         cls = getattr(importlib.import_module(module), name)
         if not (isinstance(cls, type) and issubclass(cls, Executor)):
             raise TypeError(f"{backend!r} is not an Executor subclass")
@@ -76,11 +67,10 @@ class Executor(ABC):
         # `_death` and raise EngineDeadError (re-entrant: a callback may call back into us).
         self._fail_lock = threading.RLock()
         pp = self.parallel_config.pipeline_parallel_size
-        if pp > 1 and not self.supports_pp:
-            supported = [name for name in _BACKENDS if name != "uni"]
+        if pp > 1 and not _supports_pp(type(self)):
             raise ValueError(
                 f"{type(self).__name__} does not support pipeline_parallel_size={pp}; "
-                f"use one of the backends {', '.join(supported)}"
+                f"use one of the backends {', '.join(PP_BACKENDS)}"
             )
         self._init_executor()
 
@@ -124,7 +114,7 @@ class Executor(ABC):
     @property
     def output_rank(self) -> int:
         """The rank whose sampled tokens are returned: first TP rank of the last PP stage."""
-        return self.parallel_config.world_size - self.parallel_config.tensor_parallel_size
+        return self.parallel_config.layout.output_rank
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -255,3 +245,13 @@ class Executor(ABC):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.collective_rpc("wake_up", kwargs={"tags": tags})
+
+
+def _supports_pp(cls: type[Executor]) -> bool:
+    """The backend table's word for a built-in class (or one derived from it), else the
+    class's own `supports_pp`."""
+    for klass in cls.__mro__:
+        entry = backend_of_class(klass.__module__, klass.__qualname__)
+        if entry is not None:
+            return entry.supports_pp
+    return cls.supports_pp

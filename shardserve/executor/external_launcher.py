@@ -48,7 +48,6 @@ def launcher_env() -> tuple[int, int, int, int]:
 
 
 class ExternalLauncherExecutor(UniProcExecutor):
-    supports_pp = True
     supports_early_forward = False  # steps go out whole (see Executor.supports_early_forward)
 
     def _make_worker(self) -> Worker:

@@ -60,14 +60,15 @@ _STOP_GRACE_S = 2.0
 def run_headless(pc: ParallelConfig) -> int:
     """Serve this node's ranks of every replica that has some here (one link each, on threads
     of their own); the worst exit status of them."""
-    if pc.nnodes < 2 or pc.node_rank == 0:
+    if pc.multinode.nnodes < 2 or pc.multinode.node_rank == 0:
         raise ValueError(f"--headless runs a node other than node 0: give --nnodes >= 2 and "
-                         f"--node-rank in 1..nnodes-1 (got nnodes={pc.nnodes}, "
-                         f"node_rank={pc.node_rank})")
-    replicas = [i for i in range(pc.data_parallel_size) if pc.ranks_on_node(pc.node_rank, i)]
+                         f"--node-rank in 1..nnodes-1 (got nnodes={pc.multinode.nnodes}, "
+                         f"node_rank={pc.multinode.node_rank})")
+    replicas = [i for i in range(pc.data_parallel_size)
+                if pc.layout.ranks_on_node(pc.multinode.node_rank, i)]
     nodes = [HeadlessNode(pc, i) for i in replicas]
-    logger.info("node %d: waiting for node 0 at %s:%d (replicas %s)", pc.node_rank,
-                pc.master_addr, pc.master_port, replicas)
+    logger.info("node %d: waiting for node 0 at %s:%d (replicas %s)", pc.multinode.node_rank,
+                pc.multinode.master_addr, pc.multinode.master_port, replicas)
     if len(nodes) == 1:
         return nodes[0].run()
     codes: dict[int, int] = {}
@@ -93,7 +94,7 @@ class HeadlessNode:
     def __init__(self, pc: ParallelConfig, replica: int = 0) -> None:
         self.pc = pc
         self.replica = replica
-        self.ip = route_ip(pc.master_addr, pc.master_port)
+        self.ip = route_ip(pc.multinode.master_addr, pc.multinode.master_port)
         self.sock = client_socket(pc, replica)
         self.workers: list[WorkerHandle] = []
         self.stopping = threading.Event()  # set from another thread: stop now (status 1)
@@ -110,12 +111,13 @@ class HeadlessNode:
             start = self._await_start()
             if start is None:
                 return 1
-            logger.info("node %d: starting replica %d's ranks %s", self.pc.node_rank,
+            logger.info("node %d: starting replica %d's ranks %s", self.pc.multinode.node_rank,
                         self.replica, list(start.ranks))
             pc = start.config.parallel_config
             start_workers(start.config, start.broadcast, start.init_method, pc.worker_cls,
                           ranks=list(start.ranks), reply_ip=self.ip, into=self.workers,
-                          local_ranks=[pc.local_rank_of(r, self.replica) for r in start.ranks])
+                          local_ranks=[pc.layout.local_rank_of(r, self.replica)
+                                       for r in start.ranks])
             return self._serve()
         finally:
             stop_workers(self.workers, 0.0)  # (after NodeStop they have stopped already)
@@ -128,8 +130,8 @@ class HeadlessNode:
 
     def _await_start(self) -> NodeStart | None:
         pc = self.pc
-        hello = NodeHello(pc.node_rank, self.ip, os.getpid(), pc.nnodes, pc.world_size,
-                          pc.data_parallel_size, self.replica)
+        hello = NodeHello(pc.multinode.node_rank, self.ip, os.getpid(), pc.multinode.nnodes,
+                          pc.world_size, pc.data_parallel_size, self.replica)
         deadline = time.monotonic() + pc.worker_start_timeout_s
         next_hello = 0.0
         while time.monotonic() < deadline and not self.stopping.is_set():
@@ -145,7 +147,8 @@ class HeadlessNode:
         if self.stopping.is_set():
             return None
         logger.error("node 0 (%s:%d) did not answer within %.0f s (worker_start_timeout_s); is "
-                     "it running, with the same SHARDSERVE_CLUSTER_SECRET?", pc.master_addr,
+                     "it running, with the same SHARDSERVE_CLUSTER_SECRET?",
+                     pc.multinode.master_addr,
                      link_port(pc, self.replica), pc.worker_start_timeout_s)
         return None
 
@@ -164,7 +167,7 @@ class HeadlessNode:
         while not self.stopping.is_set():
             msg = self._poll()
             if isinstance(msg, NodeStop):
-                logger.info("node %d: node 0 asked us to stop (%s)", self.pc.node_rank,
+                logger.info("node %d: node 0 asked us to stop (%s)", self.pc.multinode.node_rank,
                             msg.reason)
                 stop_workers(self.workers, _STOP_GRACE_S)
                 send(self.sock, NodeBye())
@@ -178,7 +181,8 @@ class HeadlessNode:
                 self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
             if now - self._last_heard > self._silent_limit:
                 logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this "
-                             "node's workers", self.pc.master_addr, self.pc.master_port,
+                             "node's workers", self.pc.multinode.master_addr,
+                             self.pc.multinode.master_port,
                              now - self._last_heard, ", its connection closed"
                              if self._silent_limit < MASTER_SILENT_S else "")
                 return 1
@@ -217,7 +221,7 @@ class HeadlessNode:
         if not still:
             handles = {h.rank: h.reply_handle for h in self.workers}
             send(self.sock, NodeReady(handles))
-            logger.info("node %d: ranks %s ready", self.pc.node_rank, sorted(handles))
+            logger.info("node %d: ranks %s ready", self.pc.multinode.node_rank, sorted(handles))
         return still
 
     def _report(self, reason: str) -> None:

@@ -41,7 +41,7 @@ from shardserve.executor.worker_process import (
     stop_workers,
     wait_for_ready,
 )
-from shardserve.ipc import MessageQueue
+from shardserve.ipc import MessageQueueWriter
 from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,14 @@ _SHUTDOWN_GRACE_S = 2.0
 
 
 class MultiprocExecutor(Executor):
-    supports_pp = True
 
     def _init_executor(self) -> None:
         pc = self.parallel_config
-        if pc.node_rank != 0:
-            raise ValueError(f"node_rank={pc.node_rank} runs only workers: start that node with "
-                             f"`shardserve serve MODEL --headless --nnodes {pc.nnodes} "
-                             f"--node-rank {pc.node_rank} ...`")
+        if pc.multinode.node_rank != 0:
+            raise ValueError(f"node_rank={pc.multinode.node_rank} runs only workers: start that "
+                             f"node with "
+                             f"`shardserve serve MODEL --headless --nnodes {pc.multinode.nnodes} "
+                             f"--node-rank {pc.multinode.node_rank} ...`")
         self.world_size = pc.world_size
         self._shutdown_lock = threading.Lock()
         self.workers: list[WorkerHandle] = []
@@ -68,10 +68,11 @@ class MultiprocExecutor(Executor):
         self._tmpdir = tempfile.mkdtemp(prefix="shardserve-dist-")
         # Node-major ranks: node 0's are the broadcast's shared-memory readers 0..L-1, the
         # other nodes' read over its TCP path.
-        self.local_ranks = list(pc.ranks_on_node(0))  # a prefix: 0..L-1 (maybe none)
-        self.rpc = QueueRpc(MessageQueue(
+        # A prefix: 0..L-1 (maybe none).
+        self.local_ranks = list(pc.layout.ranks_on_node(0, pc.data_parallel_rank))
+        self.rpc = QueueRpc(MessageQueueWriter(
             self.world_size, len(self.local_ranks), name="rpc-broadcast",
-            connect_ip=pc.master_addr if self._spans_nodes else None,
+            connect_ip=pc.multinode.master_addr if self._spans_nodes else None,
         ))
         try:
             if self._spans_nodes:
@@ -96,18 +97,19 @@ class MultiprocExecutor(Executor):
         # may run on another node, and torch's tcp:// would have rank 0 serve it there.
         init_method = f"file://{self._tmpdir}/store"
         if self.remote is not None:
-            self._store = dist.TCPStore(pc.master_addr, 0, is_master=True,
+            self._store = dist.TCPStore(pc.multinode.master_addr, 0, is_master=True,
                                         wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=timeout_s))
             self.store_port = self._store.port
-            init_method = f"{STORE_CLIENT_SCHEME}{pc.master_addr}:{self._store.port}"
+            init_method = f"{STORE_CLIENT_SCHEME}{pc.multinode.master_addr}:{self._store.port}"
         broadcast = self.rpc.broadcast.export_handle()
         if self.remote is not None:
             self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
         # Appended to as each starts, so that a failure or signal part-way stops those too.
         start_workers(self.config, broadcast, init_method, pc.worker_cls,
                       ranks=self.local_ranks, into=self.workers,
-                      local_ranks=[pc.local_rank_of(r) for r in self.local_ranks])
+                      local_ranks=[pc.layout.local_rank_of(r, pc.data_parallel_rank)
+                                   for r in self.local_ranks])
         self._check_nodes()
         wait_for_ready(self.workers, timeout_s)
         replies = [h.reply_handle for h in self.workers]

@@ -116,10 +116,11 @@ def ensure_cluster_secret(config: EngineConfig) -> None:
     model = config.model_config.model or str(config.model_config.path)
     secret = secrets.token_hex(16)
     os.environ["SHARDSERVE_CLUSTER_SECRET"] = secret  # our queues derive their keys from it too
-    for rank in range(1, pc.nnodes):
+    for rank in range(1, pc.multinode.nnodes):
         command = (f"SHARDSERVE_CLUSTER_SECRET={secret} shardserve serve {shlex.quote(model)} "
-                   f"--headless --nnodes {pc.nnodes} --node-rank {rank} "
-                   f"--master-addr {pc.master_addr} --master-port {pc.master_port} "
+                   f"--headless --nnodes {pc.multinode.nnodes} --node-rank {rank} "
+                   f"--master-addr {pc.multinode.master_addr} "
+                   f"--master-port {pc.multinode.master_port} "
                    f"--tensor-parallel-size {pc.tensor_parallel_size} "
                    f"--pipeline-parallel-size {pc.pipeline_parallel_size}"
                    f"{f' --data-parallel-size {dp}' if (dp := pc.data_parallel_size) > 1 else ''}")
@@ -141,7 +142,7 @@ def send(sock: zmq.Socket, message: object, identity: bytes | None = None) -> No
 
 
 def link_port(pc: ParallelConfig, replica: int) -> int:
-    return pc.master_port + replica
+    return pc.multinode.master_port + replica
 
 
 def client_socket(pc: ParallelConfig, replica: int) -> zmq.Socket:
@@ -151,10 +152,10 @@ def client_socket(pc: ParallelConfig, replica: int) -> zmq.Socket:
     secure_client(sock, link_keys())
     # Unique per process: two nodes started with the same rank must not share an identity
     # (a ROUTER would silently ignore the second), so node 0 can refuse the second by name.
-    sock.setsockopt(zmq.IDENTITY, f"node-{pc.node_rank}-{os.getpid()}-"
+    sock.setsockopt(zmq.IDENTITY, f"node-{pc.multinode.node_rank}-{os.getpid()}-"
                                   f"{secrets.token_hex(4)}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(f"tcp://{pc.master_addr}:{link_port(pc, replica)}")
+    sock.connect(f"tcp://{pc.multinode.master_addr}:{link_port(pc, replica)}")
     return sock
 
 
@@ -186,7 +187,7 @@ class RemoteNodes:
         self.pc = pc
         self.replica = pc.data_parallel_rank
         self.port = link_port(pc, self.replica)
-        self.expected = sorted({pc.node_of(r) for r in range(pc.world_size)} - {0})
+        self.expected = sorted(set(pc.layout.nodes_of_replica(self.replica)) - {0})
         self.failure: str | None = None
         self.nodes: dict[int, _Node] = {}
         self._on_failure = on_failure
@@ -194,20 +195,21 @@ class RemoteNodes:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}"
-        if pc.master_addr.startswith("127.") or pc.master_addr in ("localhost", "::1"):
+        addr = pc.multinode.master_addr
+        if addr.startswith("127.") or addr in ("localhost", "::1"):
             logger.warning("nnodes=%d with master_addr=%s: only processes on this machine can "
                            "join; give --master-addr this machine's address on the network the "
-                           "other nodes share", pc.nnodes, pc.master_addr)
+                           "other nodes share", pc.multinode.nnodes, pc.multinode.master_addr)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._monitor: zmq.Socket | None = None
         try:
             secure_server(self._sock, link_keys(), self._domain)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._sock.bind(f"tcp://{pc.master_addr}:{self.port}")
+            self._sock.bind(f"tcp://{pc.multinode.master_addr}:{self.port}")
         except zmq.ZMQError as e:
             self._close_socket()
-            raise RuntimeError(f"cannot listen for the other nodes on {pc.master_addr}:"
+            raise RuntimeError(f"cannot listen for the other nodes on {pc.multinode.master_addr}:"
                                f"{self.port} ({e}); choose another --master-port (replica i "
                                f"listens on master_port + i)") from e
 
@@ -220,10 +222,11 @@ class RemoteNodes:
             if time.monotonic() >= deadline:
                 missing = sorted(set(self.expected) - set(self.nodes))
                 raise WorkerStartupError(
-                    f"nodes {missing} did not connect to {self.pc.master_addr}:"
+                    f"nodes {missing} did not connect to {self.pc.multinode.master_addr}:"
                     f"{self.port} within {timeout_s:.0f} s: start each with "
-                    f"`shardserve serve ... --headless --nnodes {self.pc.nnodes} --node-rank R "
-                    f"--master-addr {self.pc.master_addr} --master-port {self.pc.master_port}` "
+                    f"`shardserve serve ... --headless --nnodes {self.pc.multinode.nnodes} "
+                    f"--node-rank R --master-addr {self.pc.multinode.master_addr} "
+                    f"--master-port {self.pc.multinode.master_port}` "
                     f"and the same SHARDSERVE_CLUSTER_SECRET")
             if self._sock.poll(_POLL_MS):
                 self._take_hello(*self._recv())
@@ -254,11 +257,12 @@ class RemoteNodes:
             return
         why, pc = None, self.pc
         theirs = (msg.nnodes, msg.world_size, msg.data_parallel_size, msg.replica)
-        ours = (pc.nnodes, pc.world_size, pc.data_parallel_size, self.replica)
+        ours = (pc.multinode.nnodes, pc.world_size, pc.data_parallel_size, self.replica)
         if theirs != ours:
             why = (f"it was started with nnodes={msg.nnodes}, world size {msg.world_size}, "
                    f"data_parallel_size={msg.data_parallel_size} (replica {msg.replica}); node 0 "
-                   f"has nnodes={pc.nnodes}, world size {pc.world_size}, data_parallel_size="
+                   f"has nnodes={pc.multinode.nnodes}, world size {pc.world_size}, "
+                   f"data_parallel_size="
                    f"{pc.data_parallel_size} (replica {self.replica})")
         elif msg.node_rank not in self.expected:
             why = f"node_rank {msg.node_rank} holds none of replica {self.replica}'s ranks"
@@ -268,7 +272,7 @@ class RemoteNodes:
             logger.error("refused a node: %s", why)
             send(self._sock, NodeStop(f"node 0 refused this node: {why}"), identity)
             return
-        ranks = self.pc.ranks_on_node(msg.node_rank)
+        ranks = self.pc.layout.ranks_on_node(msg.node_rank, self.replica)
         self.nodes[msg.node_rank] = _Node(msg.node_rank, identity, msg, ranks, fd=fd)
 
     def wait_ready(self, timeout_s: float) -> dict[int, Handle]:

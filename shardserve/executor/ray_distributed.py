@@ -71,7 +71,6 @@ class _LazyFuture(Future):
 
 
 class RayDistributedExecutor(Executor):
-    supports_pp = True
     supports_early_forward = False  # steps go out whole (see Executor.supports_early_forward)
     uses_ray = True
 
@@ -82,7 +81,7 @@ class RayDistributedExecutor(Executor):
         self._graph: Any = None
         self._step_failed = False  # since then a rank may be stuck in a collective
         self._graph_failure: ray_utils.RemoteFailure | None = None
-        self.use_compiled_graph = use_compiled_graph(pc.ray_use_compiled_graph, self.world_size)
+        self.use_compiled_graph = use_compiled_graph(pc.ray.ray_use_compiled_graph, self.world_size)
         self.group = RayWorkerGroup(self.config, self._mark_failed)
         try:
             self.group.start(pc.worker_start_timeout_s)
@@ -245,10 +244,10 @@ class RayDistributedExecutor(Executor):
         pc = self.parallel_config
         if pc.pipeline_parallel_size == 1:
             return [a.execute_step.bind(step_input) for a in self.actors]
-        tp = pc.tensor_parallel_size
-        stage_nodes = [a.execute_stage.bind(step_input) for a in self.actors[:tp]]
+        stages = pc.layout.replica_groups("pp")  # stage s's ranks: column s
+        stage_nodes = [self.actors[g[0]].execute_stage.bind(step_input) for g in stages]
         for stage in range(1, pc.pipeline_parallel_size):
-            actors = self.actors[stage * tp : (stage + 1) * tp]
+            actors = [self.actors[g[stage]] for g in stages]
             stage_nodes = [
                 a.execute_stage.bind(step_input, prev)
                 for a, prev in zip(actors, stage_nodes, strict=True)

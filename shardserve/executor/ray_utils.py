@@ -58,7 +58,7 @@ def connect_ray(pc: ParallelConfig) -> RayConnection:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return RayConnection(initialized_here=False, started_local=False)
-    address = pc.ray_address or os.environ.get("RAY_ADDRESS")
+    address = pc.ray.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
         return RayConnection(initialized_here=True, started_local=False)
@@ -124,10 +124,10 @@ class Placement:
 
 
 def bundle_specs(pc: ParallelConfig, device: str) -> list[dict[str, float]]:
-    spec: dict[str, float] = {"CPU": float(pc.ray_cpus_per_worker)}
+    spec: dict[str, float] = {"CPU": float(pc.ray.ray_cpus_per_worker)}
     if device == "cuda":
         spec["GPU"] = 1.0
-    spec.update(pc.ray_bundle_resources or {})
+    spec.update(pc.ray.ray_bundle_resources or {})
     return [dict(spec) for _ in range(pc.world_size)]
 
 
@@ -136,7 +136,7 @@ def place_ranks(pc: ParallelConfig, device: str) -> Placement:
     group, created = _existing_group(pc), False
     specs = bundle_specs(pc, device)
     if group is None:
-        group, created = placement_group(specs, strategy=pc.ray_placement_strategy), True
+        group, created = placement_group(specs, strategy=pc.ray.ray_placement_strategy), True
     try:
         _wait_ready(group, specs, pc, created)
         return _order_by_node(group, created, pc.world_size, specs)
@@ -147,12 +147,12 @@ def place_ranks(pc: ParallelConfig, device: str) -> Placement:
 
 
 def _existing_group(pc: ParallelConfig) -> PlacementGroup | None:
-    if pc.ray_placement_group is not None:
+    if pc.ray.ray_placement_group is not None:
         try:
-            return get_placement_group(pc.ray_placement_group)
+            return get_placement_group(pc.ray.ray_placement_group)
         except ValueError as e:
             raise RayPlacementError(
-                f"ray_placement_group={pc.ray_placement_group!r}: no such placement group ({e})"
+                f"ray_placement_group={pc.ray.ray_placement_group!r}: no such placement group ({e})"
             ) from e
     return get_current_placement_group()
 
@@ -160,19 +160,19 @@ def _existing_group(pc: ParallelConfig) -> PlacementGroup | None:
 def _wait_ready(
     group: PlacementGroup, specs: list[dict[str, float]], pc: ParallelConfig, created: bool
 ) -> None:
-    timeout_s = pc.ray_placement_timeout_s
+    timeout_s = pc.ray.ray_placement_timeout_s
     start = time.monotonic()
     # Bounded slices only so that a long wait says what it waits for in the log.
     while not group.wait(timeout_seconds=min(10.0, max(0.0, timeout_s))):
         waited = time.monotonic() - start
         if waited >= timeout_s:
-            strategy = pc.ray_placement_strategy if created else "(the caller's group)"
+            strategy = pc.ray.ray_placement_strategy if created else "(the caller's group)"
             raise RayPlacementError(
                 describe_unplaceable(specs, strategy, waited)
-                + "; raise parallel_config.ray_placement_timeout_s if the cluster is just busy"
+                + "; raise parallel_config.ray.ray_placement_timeout_s if the cluster is just busy"
             )
         logger.info("waiting %.0f s for a placement group of %s", waited, specs)
-        timeout_s = pc.ray_placement_timeout_s - waited
+        timeout_s = pc.ray.ray_placement_timeout_s - waited
 
 
 def describe_unplaceable(specs: list[dict[str, float]], strategy: str, waited_s: float) -> str:
@@ -250,10 +250,10 @@ def remove_placement(placement: Placement | None) -> None:
 # ---- naming and environment -------------------------------------------------------------------
 def actor_name(instance_id: str, rank: int, pc: ParallelConfig) -> str:
     """`shardserve_<instance>_TP<r>[_PP<s>]`: predictable, unique per engine instance."""
-    tp = pc.tensor_parallel_size
-    name = f"shardserve_{instance_id}_TP{rank % tp}"
+    where = pc.layout.coords(rank)
+    name = f"shardserve_{instance_id}_TP{where.tp}"
     if pc.pipeline_parallel_size > 1:
-        name += f"_PP{rank // tp}"
+        name += f"_PP{where.pp}"
     return name
 
 

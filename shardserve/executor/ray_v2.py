@@ -23,7 +23,7 @@ from shardserve.executor.abstract import Executor
 from shardserve.executor.queue_rpc import QueueRpc
 from shardserve.executor.ray_workers import RayWorkerGroup
 from shardserve.executor.rpc_channel import WorkerHooks
-from shardserve.ipc import MessageQueue
+from shardserve.ipc import MessageQueueWriter
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ _SHUTDOWN_GRACE_S = 2.0
 
 
 class RayExecutorV2(Executor):
-    supports_pp = True
     uses_ray = True
 
     def _init_executor(self) -> None:
@@ -56,7 +55,7 @@ class RayExecutorV2(Executor):
         n_local = len(placement.ranks_on(placement.driver_node))
         assert all(n == placement.driver_node for n in placement.nodes[:n_local])
         self.rpc = QueueRpc(
-            MessageQueue(
+            MessageQueueWriter(
                 self.world_size,
                 n_local,
                 connect_ip=ray.util.get_node_ip_address(),  # Ray's address is routable in-cluster

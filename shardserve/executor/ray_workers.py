@@ -81,7 +81,7 @@ class RayWorkerGroup:
         assert p is not None
         # The actor takes exactly what its bundle holds (a caller's group may hold no CPU).
         cpus = p.cpus[rank]
-        threads = ray_utils.threads_for(cpus or self.pc.ray_cpus_per_worker)
+        threads = ray_utils.threads_for(cpus or self.pc.ray.ray_cpus_per_worker)
         options: dict[str, Any] = dict(
             name=ray_utils.actor_name(self.instance_id, rank, self.pc),
             num_cpus=cpus,
@@ -93,7 +93,7 @@ class RayWorkerGroup:
         )
         if p.gpus[rank]:
             options["num_gpus"] = p.gpus[rank]  # Ray sets CUDA_VISIBLE_DEVICES to its GPU
-        output_rank = self.pc.world_size - self.pc.tensor_parallel_size
+        output_rank = self.pc.layout.output_rank
         return (
             ray_utils.remote_worker_class()
             .options(**options)

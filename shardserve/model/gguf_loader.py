@@ -25,7 +25,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from shardserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from shardserve.config.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
 from shardserve.model.quantization import QuantizedTensor, is_kept_type, raw_rows
 
 # GGUF general.architecture -> the HF class whose parameter layout the file holds.

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.config.model_arch import ModelArch
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels
-from shardserve.model.arch import ModelArch
 from shardserve.model.attention import AttentionMetadata, paged_attention
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.layers import (

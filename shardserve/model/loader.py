@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from shardserve.model.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from shardserve.config.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
 from shardserve.model.gguf_loader import GGUF_ARCHITECTURES, gguf_arch, iter_gguf_weights
 from shardserve.model.quantization import QuantizedTensor
 from shardserve.model.tokenizer import load_tokenizer_from

@@ -77,8 +77,8 @@ class Worker:
     def ranks_on_machine(self) -> int:
         """This machine's ranks over every data-parallel replica."""
         pc = self.config.parallel_config
-        if pc.nnodes > 1:
-            return pc.ranks_per_node
+        if pc.multinode.nnodes > 1:
+            return pc.layout.ranks_per_node
         return self.local_world_size * self.data_parallel_size  # replicas are local
 
     def init_device(self) -> None:
@@ -93,9 +93,9 @@ class Worker:
             pc = self.config.parallel_config
             init_distributed(
                 self.rank, self.world_size, self.distributed_init_method, backend,
-                tp_size=pc.tensor_parallel_size, pp_slot_bytes=self._handoff_bytes(),
+                layout=pc.layout.replica(), pp_slot_bytes=self._handoff_bytes(),
                 pp_timeout_s=pc.execute_timeout_s,
-                nodes=[pc.node_of(r) for r in range(self.world_size)],
+                nodes=pc.layout.nodes_of_replica(pc.data_parallel_rank),
             )
         torch.manual_seed(self.config.model_config.seed)
 

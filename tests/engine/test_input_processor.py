@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shardserve
-from shardserve.config import EngineConfig
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from shardserve.engine.request import Request
 from shardserve.model.loader import load_tokenizer
@@ -19,7 +19,7 @@ from shardserve.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def inputs(tiny_llama_dir) -> InputProcessor:
-    config = EngineConfig.from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=16)
+    config = engine_config_from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=16)
     return InputProcessor(config, load_tokenizer(config.model_config.tokenizer_path))
 
 

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from shardserve import LLM, config
-from shardserve.config import EngineConfig
+from shardserve import LLM
+from shardserve.config import engine as engine_config
+from shardserve.engine.config_builder import engine_config_from_kwargs
 
 SCRIPT = """
 import sys
@@ -48,23 +49,23 @@ def test_a_hub_id_loads_from_the_local_cache(tiny_llama_dir, tmp_path):
 
 
 def test_tokenizer_mode(tiny_llama_dir):
-    assert EngineConfig.from_kwargs(str(tiny_llama_dir), tokenizer_mode="hf")
+    assert engine_config_from_kwargs(str(tiny_llama_dir), tokenizer_mode="hf")
     with pytest.raises(ValueError, match="tokenizer_mode='mistral' is not supported"):
-        EngineConfig.from_kwargs(str(tiny_llama_dir), tokenizer_mode="mistral")
+        engine_config_from_kwargs(str(tiny_llama_dir), tokenizer_mode="mistral")
 
 
 def test_gpu_only_options_are_accepted_on_cpu_and_said_once(tiny_llama_dir, caplog):
     options = dict(dtype="float32", max_model_len=64, gpu_memory_utilization=0.85,
                    swap_space=4, enforce_eager=True, disable_log_stats=True,
                    trust_remote_code=False)
-    config._NOTED.clear()  # another test may have said them already
-    with caplog.at_level(logging.INFO, logger="shardserve.config"):
+    engine_config._NOTED.clear()  # another test may have said them already
+    with caplog.at_level(logging.INFO, logger="shardserve.config.engine"):
         llm = LLM(str(tiny_llama_dir), **options)
         llm.shutdown()
-        EngineConfig.from_kwargs(str(tiny_llama_dir), **options)  # said once, not again
-    said = [r.getMessage() for r in caplog.records if r.name == "shardserve.config"]
+        engine_config_from_kwargs(str(tiny_llama_dir), **options)  # said once, not again
+    said = [r.getMessage() for r in caplog.records if r.name == "shardserve.config.engine"]
     for words in ("gpu_memory_utilization=0.85 applies on CUDA only", "swap_space=4",
                   "enforce_eager=True changes nothing"):
         assert sum(words in m for m in said) == 1, (words, said)
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
-        EngineConfig.from_kwargs(str(tiny_llama_dir), gpu_memory_utilization=1.5)
+        engine_config_from_kwargs(str(tiny_llama_dir), gpu_memory_utilization=1.5)

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from shardserve import LLM, SamplingParams
-from shardserve.config import EngineConfig
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.executor.abstract import Executor
 from shardserve.executor.external_launcher import ExternalLauncherExecutor
 from tests.conftest import our_segments
@@ -74,7 +74,7 @@ def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) ->
 def test_without_a_launcher_the_error_says_how(tiny_llama_dir, monkeypatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    config = EngineConfig.from_kwargs(
+    config = engine_config_from_kwargs(
         str(tiny_llama_dir), max_model_len=128, distributed_executor_backend="external_launcher"
     )
     assert Executor.get_class(config) is ExternalLauncherExecutor

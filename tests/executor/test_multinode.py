@@ -335,9 +335,9 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
         try:
             alone = timed()
             rpc = llm.engine.core.executor.rpc
-            strangers_ += strangers(f"tcp://127.0.0.1:{llm.config.parallel_config.master_port}",
+            strangers_ += strangers(f"tcp://127.0.0.1:{llm.config.parallel_config.multinode.master_port}",
                                     zmq.DEALER)
-            ours = [llm.config.parallel_config.master_port,
+            ours = [llm.config.parallel_config.multinode.master_port,
                     *(int(h.remote_addr.rsplit(":", 1)[1])
                       for h in (rpc.broadcast.export_handle(), rpc.reply_handles[1]))]
             strangers_ += strangers(rpc.broadcast.export_handle().remote_addr)

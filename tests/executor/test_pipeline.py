@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shardserve import LLM, EngineDeadError, SamplingParams
-from shardserve.config import EngineConfig
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.request import Request
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
@@ -154,7 +154,7 @@ def test_worker_killed_in_a_stage(four_layer_model, victim):
 def test_uni_refuses_pp_naming_the_backends(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=2.*mp, ray, ray_v2, "
                                          r"external_launcher"):  # fmt: skip
-        EngineConfig.from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2,
+        engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2,
                                  distributed_executor_backend="uni")  # fmt: skip
 
 
@@ -169,12 +169,12 @@ def test_uni_refuses_pp_naming_the_backends(tiny_llama_dir):
 )
 def test_bad_partitions_are_refused(tiny_llama_dir, pp, partition, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig.from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=pp,
+        engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=pp,
                                  pp_layer_partition=partition)  # fmt: skip
 
 
 def test_even_split_puts_the_remainder_first(tiny_llama_dir):
-    config = EngineConfig.from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2)
+    config = engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2)
     pc = config.parallel_config
     assert pc.layer_partition(30) == [15, 15]
     assert pc.layer_partition(31) == [16, 15]

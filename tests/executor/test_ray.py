@@ -176,7 +176,7 @@ def test_worker_failing_at_start_up_leaves_nothing(ray_cluster, tiny_llama_dir):
 def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from shardserve.config import ParallelConfig
+    from shardserve.config import ParallelConfig, RayConfig
     from shardserve.executor import ray_utils
 
     group = placement_group([{"CPU": 1}] * 2, name="callers-group")
@@ -184,7 +184,7 @@ def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
         pc = ParallelConfig(
             tensor_parallel_size=2,
             distributed_executor_backend="ray",
-            ray_placement_group="callers-group",
+            ray=RayConfig(ray_placement_group="callers-group"),
         )
         placement = ray_utils.place_ranks(pc, "cpu")
         assert placement.group.id == group.id and not placement.created_here

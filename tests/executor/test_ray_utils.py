@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 from ray_helpers import assert_no_ray_processes, our_segments, ray_env  # noqa: E402
 
 from shardserve import LLM, SamplingParams  # noqa: E402
-from shardserve.config import ParallelConfig  # noqa: E402
+from shardserve.config import ParallelConfig, RayConfig  # noqa: E402
 from shardserve.executor import ray_utils  # noqa: E402
 from shardserve.executor.ray_distributed import detach, use_compiled_graph  # noqa: E402
 from shardserve.messages import ModelRunnerOutput  # noqa: E402
@@ -38,15 +38,15 @@ def test_bundles_and_config_validation():
     pc = ParallelConfig(
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
-        ray_cpus_per_worker=0.5,
-        ray_bundle_resources='{"slot": 1}',  # as given on the command line
+        ray=RayConfig(ray_cpus_per_worker=0.5,
+                      ray_bundle_resources='{"slot": 1}'),  # as given on the command line
     )
     assert ray_utils.bundle_specs(pc, "cpu") == [{"CPU": 0.5, "slot": 1}] * 2
     assert ray_utils.bundle_specs(pc, "cuda")[0]["GPU"] == 1.0
     with pytest.raises(ValueError, match="ray_placement_strategy"):
-        ParallelConfig(ray_placement_strategy="CLOSE")
+        RayConfig(ray_placement_strategy="CLOSE")
     with pytest.raises(ValueError, match="ray_bundle_resources"):
-        ParallelConfig(ray_bundle_resources={"slot": "one"})
+        RayConfig(ray_bundle_resources={"slot": "one"})
 
 
 def test_compiled_graph_default_depends_on_cores():

@@ -7,7 +7,8 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from shardserve.config import EngineConfig, KVCacheConfig
+from shardserve.config import KVCacheConfig
+from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.executor import Executor
 from shardserve.executor.uniproc import UniProcExecutor
 from shardserve.messages import (
@@ -21,7 +22,7 @@ from shardserve.sampling_params import SamplingParams
 
 @pytest.fixture()
 def executor(tiny_llama_dir):
-    config = EngineConfig.from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    config = engine_config_from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=128)
     ex = Executor.get_class(config)(config)
     yield ex
     ex.shutdown()
@@ -47,20 +48,20 @@ def _decode_step(req_id: str, computed: int, finished: set[str] = frozenset()) -
 
 
 def test_get_class_maps_backends(tiny_llama_dir):
-    config = EngineConfig.from_kwargs(str(tiny_llama_dir), max_model_len=128)
+    config = engine_config_from_kwargs(str(tiny_llama_dir), max_model_len=128)
     assert Executor.get_class(config) is UniProcExecutor
-    dotted = EngineConfig.from_kwargs(
+    dotted = engine_config_from_kwargs(
         str(tiny_llama_dir),
         max_model_len=128,
         distributed_executor_backend="shardserve.executor.uniproc.UniProcExecutor",
     )
     assert Executor.get_class(dotted) is UniProcExecutor
-    as_class = EngineConfig.from_kwargs(
+    as_class = engine_config_from_kwargs(
         str(tiny_llama_dir), max_model_len=128, distributed_executor_backend=UniProcExecutor
     )
     assert Executor.get_class(as_class) is UniProcExecutor
     # ray and ray_v2: tests/executor/test_ray.py; external_launcher: its own test file.
-    bad = EngineConfig.from_kwargs(
+    bad = engine_config_from_kwargs(
         str(tiny_llama_dir), max_model_len=128, distributed_executor_backend="shardserve.config.X"
     )
     with pytest.raises(AttributeError):

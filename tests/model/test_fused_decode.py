@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.config import ModelConfig
+from shardserve.model.loader import read_arch
 from shardserve.model import native_kernels
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not native_kernels.compiler_available(), reason=
 
 
 def load(path: Path, dtype: torch.dtype, quantization: str) -> LlamaForCausalLM:
-    arch = ModelConfig(model=str(path)).arch
+    arch = read_arch(path)
     model = LlamaForCausalLM(arch, dtype, quantization=quantization)
     model.load_weights(iter_weights(path, keep_quantized=quantization == "gguf"))
     return model.eval()
@@ -89,7 +89,7 @@ def test_reload_rebuilds_the_table(tiny_llama_dir: Path) -> None:
 
 def test_pipeline_stages_bit_identical(tiny_llama_dir: Path) -> None:
     """A later stage starts from the previous stage's (hidden, residual) pair."""
-    arch = ModelConfig(model=str(tiny_llama_dir)).arch
+    arch = read_arch(tiny_llama_dir)
     stages = []
     for layer_range in ((0, 1), (1, 2)):
         stage = LlamaForCausalLM(arch, torch.float32, layer_range=layer_range,

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from shardserve.config.model_arch import ModelArch
 from shardserve.distributed import parallel_state
-from shardserve.model.arch import ModelArch
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.llama import LlamaForCausalLM, check_tp_size
 

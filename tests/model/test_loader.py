@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from shardserve.model.arch import ModelArch
+from shardserve.config.model_arch import ModelArch
 from shardserve.model.loader import (
     ModelNotFoundError,
     iter_weights,

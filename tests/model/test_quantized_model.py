@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.config import ModelConfig
+from shardserve.engine.config_builder import model_config_for
+from shardserve.model.loader import read_arch
+from shardserve.config.model_arch import ModelArch
 from shardserve.model import native_kernels
-from shardserve.model.arch import ModelArch
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, load_tokenizer
 from shardserve.model.quantization import QuantWeight
@@ -40,13 +41,13 @@ def load(path: Path, arch: ModelArch, dtype: torch.dtype, quantization: str) -> 
 
 @pytest.fixture(scope="module")
 def reference(default_model_path: Path) -> LlamaForCausalLM:
-    arch = ModelConfig(model=str(default_model_path)).arch
+    arch = read_arch(default_model_path)
     return load(default_model_path, arch, torch.float32, "none")
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def quantized(request, default_model_path: Path) -> LlamaForCausalLM:
-    arch = ModelConfig(model=str(default_model_path)).arch
+    arch = read_arch(default_model_path)
     return load(default_model_path, arch, request.param, "gguf")
 
 
@@ -104,12 +105,12 @@ def test_top1_agrees_with_dequantized_float32(reference, quantized, sequences,
 
 def test_resolution(default_model_path: Path, tmp_path: Path) -> None:
     path = str(default_model_path)
-    assert ModelConfig(model=path).quantization == "gguf"
-    assert ModelConfig(model=path, dtype="float32").quantization == "none"
-    assert ModelConfig(model=path, dtype="float32", quantization="gguf").quantization == "gguf"
-    assert ModelConfig(model=path, quantization="int8").quantization == "int8"
+    assert model_config_for(path).quantization == "gguf"
+    assert model_config_for(path, dtype="float32").quantization == "none"
+    assert model_config_for(path, dtype="float32", quantization="gguf").quantization == "gguf"
+    assert model_config_for(path, quantization="int8").quantization == "int8"
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported.*gguf, int8"):
-        ModelConfig(model=path, quantization="awq")
+        model_config_for(path, quantization="awq")
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(
@@ -117,6 +118,6 @@ def test_resolution(default_model_path: Path, tmp_path: Path) -> None:
         ' "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,'
         ' "tie_word_embeddings": true}'
     )
-    assert ModelConfig(model=str(folder)).quantization == "none"
+    assert model_config_for(str(folder)).quantization == "none"
     with pytest.raises(ValueError, match=r"quantization='gguf' needs a \.gguf model file"):
-        ModelConfig(model=str(folder), quantization="gguf")
+        model_config_for(str(folder), quantization="gguf")

@@ -114,7 +114,7 @@ class ServeCommand:
         except ImportError as e:
             raise ValueError(f"{e}; install the server extra: pip install 'shardserve[server]'") \
                 from e
-        from shardserve.config import EngineConfig
+        from shardserve.engine.config_builder import engine_config_from_kwargs
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
@@ -122,7 +122,7 @@ class ServeCommand:
         args.model = _model_arg(args.model_tag, args.model)
         chat_template = _chat_template(args.chat_template)
         limits = ServerLimits.from_args(args)
-        config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+        config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
         if config.parallel_config.distributed_executor_backend == "external_launcher":
             raise ValueError(
                 "--distributed-executor-backend external_launcher runs a whole engine in every "
@@ -159,13 +159,13 @@ class ServeCommand:
 
 def _run_headless(args: argparse.Namespace) -> int:
     from shardserve import envs
-    from shardserve.config import EngineConfig
+    from shardserve.engine.config_builder import engine_config_from_kwargs
     from shardserve.executor.headless_node import run_headless
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     args.model = _model_arg(args.model_tag, args.model)
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return run_headless(config.parallel_config)

@@ -1,0 +1,194 @@
+"""The engine's configuration: frozen dataclasses, validated on construction.
+
+`EngineConfig` groups the per-concern configs and is the one object that travels to every worker
+(pickled). Values discovered at run time (the number of KV blocks) are not stored here; they live
+in `KVCacheConfig`, produced by the engine after asking the workers for their memory. Built from
+flat keyword arguments (`LLM(...)`, the CLI) by engine/config_builder.py, which resolves the
+model's files first; `group_options` says which config owns each keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardserve.config.checks import check as _check
+from shardserve.config.model import DeviceConfig, ModelConfig
+from shardserve.config.parallel import MultiNodeConfig, ParallelConfig, RayConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache budget per worker in bytes; overrides kv_cache_memory_fraction."""
+    kv_cache_memory_fraction: float = 0.1
+    """Fraction of free memory at start-up given to the KV cache (split among a machine's ranks)."""
+    num_blocks_override: int | None = None
+    """Force this many KV blocks (testing preemption with a tiny cache)."""
+    gpu_memory_utilization: float | None = None
+    """CUDA: the share of the GPU's memory the engine may fill (the KV cache takes what the
+    model leaves of it; overrides kv_cache_memory_fraction there). Ignored on CPU (logged)."""
+    swap_space: float | None = None
+    """vLLM's CPU swap for preempted requests (GiB): shardserve recomputes them instead, so it
+    is accepted and has no effect (logged)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and all before them) another request already
+    computed; freed blocks keep their contents until evicted, least recently used first."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size={self.block_size!r} must be a power of two in [1, 128]",
+        )
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be > 0",
+        )
+        _check(
+            0.0 < self.kv_cache_memory_fraction <= 0.95,
+            f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 0.95]",
+        )
+        _check(
+            self.gpu_memory_utilization is None or 0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]",
+        )
+        _check(
+            self.num_blocks_override is None or self.num_blocks_override >= 1,
+            f"num_blocks_override={self.num_blocks_override!r} must be >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
+    """Plan step N+1 while step N runs (two steps in flight); the workers feed each request the
+    token they sampled themselves. Outputs equal the synchronous engine's."""
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.async_scheduling, bool),
+            f"async_scheduling={self.async_scheduling!r} must be True or False",
+        )
+        _check(
+            isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+            f"max_num_seqs={self.max_num_seqs!r} must be an int >= 1",
+        )
+        _check(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an int >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the engine decided after asking the workers: sent to `initialize_from_config`."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = False
+    """Do not log the engine's throughput and queue every 10 s (the server logs them)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    def __post_init__(self) -> None:
+        arch = self.model_config.arch
+        tp = self.parallel_config.tensor_parallel_size
+        if tp not in arch.valid_tp_sizes(max(tp, 1)):
+            raise ValueError(
+                f"tensor_parallel_size={tp} cannot shard this model ({arch.num_heads} attention "
+                f"heads, {arch.num_kv_heads} KV heads); sizes that divide both: "
+                f"{arch.valid_tp_sizes(16)}"
+            )
+        pc = self.parallel_config
+        _check(
+            pc.pipeline_parallel_size <= arch.num_layers,
+            f"pipeline_parallel_size={pc.pipeline_parallel_size} exceeds the model's "
+            f"{arch.num_layers} layers; every stage needs at least one",
+        )
+        pc.layer_partition(arch.num_layers)  # validates pp_layer_partition
+        _note_inapplicable(self)
+        sched = self.scheduler_config
+        if not sched.enable_chunked_prefill:
+            _check(
+                sched.max_num_batched_tokens >= self.model_config.max_model_len,
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= max_model_len="
+                f"{self.model_config.max_model_len} when chunked prefill is disabled",
+            )
+
+
+# Which config owns a flat option; the nested Ray and multi-node configs belong to
+# ParallelConfig. ModelConfig's resolved fields (path, arch...) are not options.
+OWNERS: dict[str, type] = {
+    "device_config": DeviceConfig,
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "parallel_config": ParallelConfig,
+    "ray": RayConfig,
+    "multinode": MultiNodeConfig,
+    "scheduler_config": SchedulerConfig,
+    "observability_config": ObservabilityConfig,
+}
+NOT_OPTIONS = {ModelConfig: {"model", "device", "path", "arch", "tokenizer_path"},
+                ParallelConfig: {"ray", "multinode"}}
+
+
+def option_names(cls: type) -> set[str]:
+    hidden = NOT_OPTIONS.get(cls, set())
+    return {f.name for f in dataclasses.fields(cls) if f.init and f.name not in hidden}
+
+
+def group_options(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat engine options -> {owner: its keyword arguments}; unknown names are refused."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in kwargs.items():
+        owner = next((g for g, c in OWNERS.items() if key in option_names(c)), None)
+        if owner is None:
+            valid = sorted(k for c in OWNERS.values() for k in option_names(c))
+            raise TypeError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
+        groups.setdefault(owner, {})[key] = value
+    return groups
+
+
+def _note_inapplicable(config: EngineConfig) -> None:
+    """Options a vLLM user passes that do nothing here: accepted, and said once."""
+    cache, device = config.cache_config, config.device_config.device
+    notes = []
+    if cache.gpu_memory_utilization is not None and device != "cuda":
+        notes.append(f"gpu_memory_utilization={cache.gpu_memory_utilization} applies on CUDA "
+                     f"only; on CPU the KV cache takes kv_cache_memory_fraction / "
+                     f"kv_cache_memory_bytes")
+    if cache.swap_space is not None:
+        notes.append(f"swap_space={cache.swap_space} has no effect: preempted requests are "
+                     f"recomputed, never swapped")
+    if config.model_config.enforce_eager:
+        notes.append("enforce_eager=True changes nothing: shardserve always runs eagerly")
+    for note in notes:
+        if note not in _NOTED:
+            _NOTED.add(note)
+            logger.info("%s", note)
+
+
+_NOTED: set[str] = set()
