@@ -10,7 +10,7 @@ left out, so the gap between the two is what those guarantees (and our code) cos
 method names, so ../shared/bench/mq_peer_bench.py can run it beside the real queues:
 
     PYTHONPATH=$PWD .venv/bin/python ../shared/bench/mq_peer_bench.py \
-        --impl bench._mq_sem_prototype --impl shardserve.ipc
+        --impl bench._mq_sem_prototype --impl bench.mq_vllm_api
 
 Layout: [sem_t x n_reader (64 B each)] [u64 written[max_chunks]] [u64 read[max_chunks][n]]
         [chunks: u64 length, pickle bytes]

@@ -30,7 +30,7 @@ import psutil
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardserve.ipc import MessageQueue  # noqa: E402
+from shardserve.ipc import MessageQueueReader, MessageQueueWriter  # noqa: E402
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 4 << 20]
 N_READERS = 2
@@ -43,8 +43,9 @@ MAX_STEPS = 3000
 
 
 def _mq_reader(handle: Any, rank: int, setup: Any) -> None:
-    bcast = MessageQueue.create_from_handle(handle, rank, name=f"bench-bcast-{rank}")
-    resp = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=f"bench-resp-{rank}")
+    bcast = MessageQueueReader.from_handle(handle, rank, name=f"bench-bcast-{rank}")
+    resp = MessageQueueWriter(1, 1, max_chunk_bytes=1 << 16, max_chunks=4,
+                              name=f"bench-resp-{rank}")
     setup.send(resp.export_handle())
     bcast.wait_until_ready(timeout=30)
     resp.wait_until_ready(timeout=30)
@@ -101,14 +102,14 @@ class MQTransport(Transport):
     name = "shardserve MQ"
 
     def __init__(self, ctx: Any) -> None:
-        self.bcast = MessageQueue(N_READERS, N_READERS, max_chunk_bytes=(4 << 20) + 4096,
-                                  max_chunks=4, name="bench-bcast")
+        self.bcast = MessageQueueWriter(N_READERS, N_READERS, max_chunk_bytes=(4 << 20) + 4096,
+                                        max_chunks=4, name="bench-bcast")
         pipes = [ctx.Pipe() for _ in range(N_READERS)]
         self.procs = [ctx.Process(target=_mq_reader, args=(self.bcast.export_handle(), r, c))
                       for r, (_, c) in enumerate(pipes)]
         for p in self.procs:
             p.start()
-        self.resps = [MessageQueue.create_from_handle(p.recv(), 0) for p, _ in pipes]
+        self.resps = [MessageQueueReader.from_handle(p.recv(), 0) for p, _ in pipes]
         self.bcast.wait_until_ready(timeout=30)
         for q in self.resps:
             q.wait_until_ready(timeout=30)

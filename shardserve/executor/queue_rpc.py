@@ -20,7 +20,7 @@ from typing import Any
 
 from shardserve.errors import EngineDeadError, WorkerStartupError
 from shardserve.executor.rpc_channel import RpcChannel, WorkerHooks
-from shardserve.ipc import Handle, MessageQueue
+from shardserve.ipc import Handle, MessageQueue, MessageQueueReader, MessageQueueWriter
 from shardserve.ipc.rpc import SHUTDOWN, RpcRequest
 from shardserve.ipc.segments import unlink_segment
 
@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class QueueRpc:
-    def __init__(self, broadcast: MessageQueue) -> None:
+    def __init__(self, broadcast: MessageQueueWriter) -> None:
         self.broadcast = broadcast
         self.reply_handles: list[Handle] = []
-        self.reply_queues: list[MessageQueue] = []
+        self.reply_queues: list[MessageQueueReader] = []
         self.channel: RpcChannel | None = None
 
     def connect(self, reply_handles: list[Handle], hooks: WorkerHooks, timeout_s: float,
@@ -44,7 +44,7 @@ class QueueRpc:
         """
         self.reply_handles = list(reply_handles)
         self.reply_queues = [
-            MessageQueue.create_from_handle(h, 0, name=f"replies-from-TP{rank}")
+            MessageQueueReader.from_handle(h, 0, name=f"replies-from-TP{rank}")
             for rank, h in enumerate(self.reply_handles)
         ]
         deadline = time.monotonic() + timeout_s

@@ -25,7 +25,7 @@ import torch
 from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.errors import RemoteError
-from shardserve.ipc import Handle, MessageQueue
+from shardserve.ipc import Handle, MessageQueueReader, MessageQueueWriter
 from shardserve.messages import GrammarOutput, SchedulerOutput
 from shardserve.worker.worker import run_method
 from shardserve.worker.worker_main import ATTACH_TIMEOUT_S, run_busy_loop
@@ -63,7 +63,7 @@ class RayWorkerWrapper:
         self._failed = threading.Event()
         self._failure: RemoteFailure | None = None
         self._broadcast_handle: Handle | None = None
-        self._replies: MessageQueue | None = None
+        self._replies: MessageQueueWriter | None = None
         self._transport = "actor calls"
         logging.basicConfig(
             level=envs.log_level(),
@@ -153,7 +153,7 @@ class RayWorkerWrapper:
         """Create this rank's reply queue: shared memory when the driver shares our node, TCP
         otherwise. Attaching to the broadcast waits for run() (see RayExecutorV2)."""
         self._broadcast_handle = broadcast
-        self._replies = MessageQueue(
+        self._replies = MessageQueueWriter(
             1,
             1 if on_driver_node else 0,
             connect_ip=ray.util.get_node_ip_address(),
@@ -168,7 +168,7 @@ class RayWorkerWrapper:
         local = self.rank < handle.n_local_reader
         self._transport = "shared memory" if local else "tcp"
         try:
-            broadcast = MessageQueue.create_from_handle(
+            broadcast = MessageQueueReader.from_handle(
                 handle, self.rank, name=f"{self.label}-bcast"
             )
             broadcast.wait_until_ready(timeout=ATTACH_TIMEOUT_S)

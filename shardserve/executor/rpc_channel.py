@@ -25,7 +25,7 @@ from typing import Any
 
 from shardserve import envs
 from shardserve.errors import EngineDeadError
-from shardserve.ipc import MessageQueue, QueueClosed
+from shardserve.ipc import MessageQueueReader, MessageQueueWriter, QueueClosed
 from shardserve.ipc.rpc import RpcReply, RpcRequest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ class WorkerHooks:
 
 class RpcChannel:
     def __init__(
-        self, broadcast: MessageQueue, reply_queues: list[MessageQueue], hooks: WorkerHooks
+        self,
+        broadcast: MessageQueueWriter,
+        reply_queues: list[MessageQueueReader],
+        hooks: WorkerHooks,
     ) -> None:
         self.broadcast = broadcast
         self.reply_queues = reply_queues

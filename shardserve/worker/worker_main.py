@@ -25,7 +25,7 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.errors import RemoteError
-from shardserve.ipc import Handle, MessageQueue, QueueClosed
+from shardserve.ipc import Handle, MessageQueue, MessageQueueReader, MessageQueueWriter, QueueClosed
 from shardserve.ipc.rpc import SHUTDOWN, RpcReply, RpcRequest
 from shardserve.ipc.segments import unlink_segment
 from shardserve.worker.worker import run_method
@@ -99,14 +99,14 @@ def _serve(args: WorkerProcArgs) -> None:
     try:
         try:
             worker = _build_worker(args)
-            response_mq = MessageQueue(1, 0 if args.reply_ip else 1, connect_ip=args.reply_ip,
-                                       name=f"{args.label}-reply")
+            response_mq = MessageQueueWriter(1, 0 if args.reply_ip else 1,
+                                             connect_ip=args.reply_ip, name=f"{args.label}-reply")
             orphans.append(response_mq.export_handle().shm_name)
         except BaseException as e:
             args.ready_conn.send(("FAILED", RemoteError.capture(args.rank, os.getpid(), e)))
             raise SystemExit(1) from e
         args.ready_conn.send(("READY", response_mq.export_handle()))
-        broadcast = MessageQueue.create_from_handle(
+        broadcast = MessageQueueReader.from_handle(
             args.broadcast_handle, args.rank, name=f"{args.label}-bcast"
         )
         broadcast.wait_until_ready(timeout=ATTACH_TIMEOUT_S)
@@ -171,7 +171,8 @@ def _build_worker(args: WorkerProcArgs) -> Any:
     return worker
 
 
-def run_busy_loop(worker: Any, rank: int, broadcast: MessageQueue, replies: MessageQueue) -> None:
+def run_busy_loop(worker: Any, rank: int, broadcast: MessageQueueReader,
+                  replies: MessageQueueWriter) -> None:
     """Serve RpcRequests until a shutdown request or the broadcast queue closes.
 
     Replies are sent by a separate thread, so the next request is read (and the next step
@@ -201,7 +202,7 @@ def run_busy_loop(worker: Any, rank: int, broadcast: MessageQueue, replies: Mess
         sender.join(timeout=5)
 
 
-def _send_replies(outbox: queue.SimpleQueue, replies: MessageQueue, rank: int) -> None:
+def _send_replies(outbox: queue.SimpleQueue, replies: MessageQueueWriter, rank: int) -> None:
     while (reply := outbox.get()) is not None:
         try:
             replies.enqueue(reply)

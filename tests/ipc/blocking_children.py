@@ -9,7 +9,7 @@ from typing import Any
 
 from sync_helpers import in_call
 
-from shardserve.ipc import MessageQueue, QueueClosed, wakeup
+from shardserve.ipc import MessageQueueReader, QueueClosed, wakeup
 from shardserve.ipc.zmq_channel import Subscriber
 
 # Where a blocked dequeue sleeps: a remote reader in ZMQ's poll, a local one on a futex.
@@ -23,7 +23,7 @@ def blocked_in_dequeue(thread: threading.Thread) -> bool:
 def watched_echo_reader(handle: Any, rank: int, conn: Any) -> None:
     """Like ipc_children.echo_reader, and also sends ("blocked", n) once the reader waits in
     dequeue for its message n + 1 (a remote reader has no sleeping word in the ring to show)."""
-    mq = MessageQueue.create_from_handle(handle, rank)
+    mq = MessageQueueReader.from_handle(handle, rank)
     mq.wait_until_ready(timeout=30)
     main = threading.current_thread()
     send_lock = threading.Lock()  # both threads send on conn
@@ -59,7 +59,7 @@ def watched_echo_reader(handle: Any, rank: int, conn: Any) -> None:
 def acking_latency_reader(handle: Any, n: int, conn: Any) -> None:
     """Acknowledge each message (("got", i)) and report, at the end, each one's delay between
     the writer's send stamp and our receipt."""
-    mq = MessageQueue.create_from_handle(handle, 0)
+    mq = MessageQueueReader.from_handle(handle, 0)
     mq.wait_until_ready(timeout=30)
     delays = []
     for i in range(n):

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from shardserve.ipc import MessageQueue, QueueClosed
+from shardserve.ipc import MessageQueueReader, MessageQueueWriter, QueueClosed
 
 N_MESSAGES = 10_000
 MAX_LEN = 10_000  # int64 elements: up to 80 KB, about 40 KB on average (~400 MB in total)
@@ -29,7 +29,7 @@ def jitter(rng: random.Random) -> None:
 
 def broadcast_reader(handle: Any, rank: int, seed: int, conn: Any) -> None:
     """Receive the whole stream, compare every array bit-exactly, report (count, bytes, error)."""
-    mq = MessageQueue.create_from_handle(handle, rank, name=f"stress-{rank}")
+    mq = MessageQueueReader.from_handle(handle, rank, name=f"stress-{rank}")
     mq.wait_until_ready(timeout=30)
     rng, count, nbytes, error = random.Random(rank), 0, 0, None
     for i, want in arrays(seed):
@@ -45,7 +45,7 @@ def broadcast_reader(handle: Any, rank: int, seed: int, conn: Any) -> None:
 
 def echo_reader(handle: Any, rank: int, conn: Any) -> None:
     """Read until QueueClosed; report what was read and how long the last wait took."""
-    mq = MessageQueue.create_from_handle(handle, rank)
+    mq = MessageQueueReader.from_handle(handle, rank)
     mq.wait_until_ready(timeout=30)
     got = []
     try:
@@ -60,7 +60,7 @@ def echo_reader(handle: Any, rank: int, conn: Any) -> None:
 
 def latency_reader(handle: Any, n: int, conn: Any) -> None:
     """Report, per message, the delay between the writer's send stamp and our receipt."""
-    mq = MessageQueue.create_from_handle(handle, 0)
+    mq = MessageQueueReader.from_handle(handle, 0)
     mq.wait_until_ready(timeout=30)
     delays = []
     for _ in range(n):
@@ -72,7 +72,7 @@ def latency_reader(handle: Any, n: int, conn: Any) -> None:
 
 def writer_then_hang(conn: Any) -> None:
     """A writer that hands out its handle, sends one message and then blocks (to be killed)."""
-    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name="doomed")
+    mq = MessageQueueWriter(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name="doomed")
     conn.send(mq.export_handle())
     mq.wait_until_ready(timeout=30)
     mq.enqueue("first")
@@ -82,13 +82,13 @@ def writer_then_hang(conn: Any) -> None:
 
 def leaky_writer(conn: Any) -> None:
     """Creates a writer and exits without closing it: the exit handler must unlink it."""
-    mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name="leaky")
+    mq = MessageQueueWriter(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name="leaky")
     conn.send(mq.export_handle().shm_name)
 
 
 def remote_writer_then_hang(conn: Any) -> None:
     """writer_then_hang with one remote (TCP) reader and no local one."""
-    mq = MessageQueue(1, 0, name="doomed-remote", connect_ip="127.0.0.1")
+    mq = MessageQueueWriter(1, 0, name="doomed-remote", connect_ip="127.0.0.1")
     conn.send(mq.export_handle())
     mq.wait_until_ready(timeout=30)
     mq.enqueue("first")

@@ -15,7 +15,7 @@ import pytest
 import zmq
 from curve_strangers import raw_bytes, strangers
 
-from shardserve.ipc import MessageQueue
+from shardserve.ipc import MessageQueueReader, MessageQueueWriter
 from shardserve.ipc.curve_auth import CurveKeys
 from shardserve.ipc.errors import PeerGone
 from shardserve.ipc.zmq_channel import hello_topic
@@ -24,15 +24,15 @@ PAYLOAD = b"x" * 1024
 MESSAGES = 300
 
 
-def tcp_pair(name: str) -> tuple[MessageQueue, MessageQueue]:
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1", name=name)
-    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+def tcp_pair(name: str) -> tuple[MessageQueueWriter, MessageQueueReader]:
+    writer = MessageQueueWriter(1, 0, connect_ip="127.0.0.1", name=name)
+    reader = MessageQueueReader.from_handle(writer.export_handle(), 0)
     writer.wait_until_ready(timeout=30)
     reader.wait_until_ready(timeout=30)
     return writer, reader
 
 
-def broadcast_time(writer: MessageQueue, reader: MessageQueue) -> float:
+def broadcast_time(writer: MessageQueueWriter, reader: MessageQueueReader) -> float:
     t0 = time.perf_counter()
     for i in range(MESSAGES):
         writer.enqueue((i, PAYLOAD), timeout=10)
@@ -66,7 +66,7 @@ def test_a_stranger_receives_nothing_and_does_not_slow_the_writer() -> None:
 
 def test_the_handle_carries_keys_not_the_secret(monkeypatch) -> None:
     monkeypatch.setenv("SHARDSERVE_CLUSTER_SECRET", "s3cret-value")
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1", name="keyed")
+    writer = MessageQueueWriter(1, 0, connect_ip="127.0.0.1", name="keyed")
     try:
         handle = writer.export_handle()
         assert handle.curve == CurveKeys.from_secret(b"s3cret-value").for_reader()
@@ -77,7 +77,7 @@ def test_the_handle_carries_keys_not_the_secret(monkeypatch) -> None:
 
 
 def test_a_malformed_hello_is_dropped_and_the_handshake_completes(caplog) -> None:
-    writer = MessageQueue(1, 0, connect_ip="127.0.0.1", name="hello")
+    writer = MessageQueueWriter(1, 0, connect_ip="127.0.0.1", name="hello")
     handle = writer.export_handle()
     sub = zmq.Context.instance().socket(zmq.SUB)
     keys = handle.curve
@@ -88,7 +88,7 @@ def test_a_malformed_hello_is_dropped_and_the_handshake_completes(caplog) -> Non
     for topic in (hello_topic(0)[:-1] + b"zz", hello_topic(7)):  # not a number; no such rank
         sub.setsockopt(zmq.SUBSCRIBE, topic)
     sub.connect(handle.remote_addr)
-    reader = MessageQueue.create_from_handle(handle, 0)
+    reader = MessageQueueReader.from_handle(handle, 0)
     try:
         with caplog.at_level(logging.WARNING, logger="shardserve.ipc.zmq_channel"):
             writer.wait_until_ready(timeout=30)
@@ -106,7 +106,7 @@ def test_remote_reader_notices_a_killed_writer(spawn: Any) -> None:
     p = spawn.Process(target=kids.remote_writer_then_hang, args=(child,))
     p.start()
     assert parent.poll(60)
-    r = MessageQueue.create_from_handle(parent.recv(), 0)
+    r = MessageQueueReader.from_handle(parent.recv(), 0)
     try:
         r.wait_until_ready(timeout=30)
         assert r.dequeue(timeout=10) == "first"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,7 +22,18 @@ import pytest
 import torch
 from sync_helpers import wait_until
 
-from shardserve.ipc import MessageQueue, PeerGone, QueueClosed, ShmSpaceError, shm_ring, wakeup
+from shardserve.ipc import (
+    MessageQueue,
+    MessageQueueReader,
+    MessageQueueWriter,
+    PeerGone,
+    QueueClosed,
+    ShmSpaceError,
+    message_queue_reader,
+    message_queue_writer,
+    shm_ring,
+    wakeup,
+)
 from shardserve.ipc.shm_ring import check_shm_space
 
 # The promise is "within a second" (every wait re-checks at least every 250 ms). Bounds measured
@@ -30,10 +42,10 @@ from shardserve.ipc.shm_ring import check_shm_space
 WITHIN_S = 5.0
 
 
-def _local_pair(**kw: Any) -> tuple[MessageQueue, MessageQueue]:
-    w = MessageQueue(1, 1, max_chunk_bytes=kw.pop("chunk", 1 << 16),
+def _local_pair(**kw: Any) -> tuple[MessageQueueWriter, MessageQueueReader]:
+    w = MessageQueueWriter(1, 1, max_chunk_bytes=kw.pop("chunk", 1 << 16),
                      max_chunks=kw.pop("chunks", 2), **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0, spin_us=kw.get("spin_us"))
+    r = MessageQueueReader.from_handle(w.export_handle(), 0, spin_us=kw.get("spin_us"))
     w.wait_until_ready(timeout=10)
     r.wait_until_ready(timeout=10)
     return w, r
@@ -43,7 +55,7 @@ def _local_pair(**kw: Any) -> tuple[MessageQueue, MessageQueue]:
 def test_400mb_broadcast_tiny_ring_mixed_readers(spawn: Any) -> None:
     """1 writer, 2 local + 1 remote reader, 2 x 40 KiB chunks: ~half the messages overflow."""
     seed = 1234
-    writer = MessageQueue(3, 2, max_chunk_bytes=40 * 1024, max_chunks=2,
+    writer = MessageQueueWriter(3, 2, max_chunk_bytes=40 * 1024, max_chunks=2,
                           connect_ip="127.0.0.1", name="stress")
     pipes = [spawn.Pipe(duplex=False) for _ in range(3)]
     procs = [spawn.Process(target=kids.broadcast_reader,
@@ -62,6 +74,24 @@ def test_400mb_broadcast_tiny_ring_mixed_readers(spawn: Any) -> None:
     assert 350e6 < sent < 450e6 and 2000 < overflow < 8000, (sent, overflow)
     for rank, res in enumerate(results):
         assert res == (kids.N_MESSAGES, sent, None), f"rank {rank}: {res}"
+
+
+def test_each_end_has_only_its_own_operations_and_the_handle_pickles() -> None:
+    w = MessageQueueWriter(2, 1, max_chunk_bytes=4096, max_chunks=2, connect_ip="127.0.0.1")
+    handle = pickle.loads(pickle.dumps(w.export_handle()))
+    assert handle == w.export_handle() and handle.remote_addr and handle.curve is not None
+    r = MessageQueueReader.from_handle(handle, 0, name="mine")
+    assert isinstance(w, MessageQueue) and isinstance(r, MessageQueue)
+    assert not hasattr(w, "dequeue") and not hasattr(r, "enqueue")
+    assert not hasattr(r, "export_handle") and r.handle == handle
+    with pytest.raises(TypeError, match="abstract"):
+        MessageQueue("x", 1, 1, 64, 1, None, None, None, None)  # type: ignore[abstract]
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(r)
+    with pytest.raises(ValueError, match=r"rank 2 is not in 0\.\.1"):
+        MessageQueueReader.from_handle(handle, 2)
+    r.close()
+    w.close()
 
 
 def test_timeouts_name_the_peer() -> None:
@@ -88,8 +118,8 @@ def test_timeouts_name_the_peer() -> None:
 @pytest.mark.parametrize("side", ["local reader", "remote reader", "writer"])
 def test_close_from_another_thread_unblocks_it(side: str) -> None:
     n_local = 0 if side == "remote reader" else 1
-    w = MessageQueue(1, n_local, max_chunk_bytes=4096, max_chunks=1, connect_ip="127.0.0.1")
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    w = MessageQueueWriter(1, n_local, max_chunk_bytes=4096, max_chunks=1, connect_ip="127.0.0.1")
+    r = MessageQueueReader.from_handle(w.export_handle(), 0)
     w.wait_until_ready(timeout=10)
     r.wait_until_ready(timeout=10)
     if side == "writer":
@@ -124,7 +154,7 @@ def test_close_from_another_thread_unblocks_it(side: str) -> None:
 
 
 def test_writer_close_reaches_reader_processes(spawn: Any) -> None:
-    w = MessageQueue(2, 1, max_chunk_bytes=4096, max_chunks=2, connect_ip="127.0.0.1")
+    w = MessageQueueWriter(2, 1, max_chunk_bytes=4096, max_chunks=2, connect_ip="127.0.0.1")
     conns = [spawn.Pipe(duplex=False) for _ in range(2)]
     spawn.Process(target=kids.echo_reader, args=(w.export_handle(), 0, conns[0][1])).start()
     spawn.Process(target=watched.watched_echo_reader,
@@ -158,7 +188,7 @@ def test_killed_writer_unblocks_reader(spawn: Any) -> None:
     p = spawn.Process(target=kids.writer_then_hang, args=(child,))
     p.start()
     assert parent.poll(60)
-    r = MessageQueue.create_from_handle(parent.recv(), 0)
+    r = MessageQueueReader.from_handle(parent.recv(), 0)
     r.wait_until_ready(timeout=30)
     assert r.dequeue(timeout=10) == "first"
     parent.recv()
@@ -183,7 +213,7 @@ def test_killed_writer_unblocks_reader(spawn: Any) -> None:
 
 
 def test_sigkilled_reader_makes_enqueue_raise_timeout_naming_it(spawn: Any) -> None:
-    w = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2, name="victim")
+    w = MessageQueueWriter(2, 2, max_chunk_bytes=4096, max_chunks=2, name="victim")
     conns = [spawn.Pipe(duplex=False) for _ in range(2)]
     procs = [spawn.Process(target=kids.echo_reader, args=(w.export_handle(), r, conns[r][1]))
              for r in range(2)]
@@ -226,7 +256,7 @@ def test_suppressed_notifications_still_deliver_within_recheck(spawn: Any,
                                                                monkeypatch: Any) -> None:
     monkeypatch.setenv("SHARDSERVE_IPC_DROP_NOTIFY", "1")  # the test switch: no futex wakes
     recheck_s = 0.02
-    w = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4, recheck_ms=recheck_s * 1000,
+    w = MessageQueueWriter(1, 1, max_chunk_bytes=4096, max_chunks=4, recheck_ms=recheck_s * 1000,
                      spin_us=0)
     parent, child = spawn.Pipe(duplex=False)
     spawn.Process(target=watched.acking_latency_reader,
@@ -319,12 +349,12 @@ def test_shm_space_preflight(monkeypatch: Any) -> None:
     monkeypatch.undo()
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     with pytest.raises(ShmSpaceError, match="Insufficient space in /dev/shm"):
-        MessageQueue(1, 1, max_chunk_bytes=free // 2 + (1 << 20), max_chunks=2)
+        MessageQueueWriter(1, 1, max_chunk_bytes=free // 2 + (1 << 20), max_chunks=2)
     check_shm_space(1 << 40, "/no/such/dir")  # no directory: skipped
 
 
 def test_segments_removed_on_gc_and_at_exit_without_tracker_warnings(spawn: Any) -> None:
-    w = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    w = MessageQueueWriter(1, 1, max_chunk_bytes=4096, max_chunks=2)
     path = f"/dev/shm/{w.export_handle().shm_name}"
     assert os.path.exists(path) and "shardserve" in path
     del w
@@ -332,15 +362,15 @@ def test_segments_removed_on_gc_and_at_exit_without_tracker_warnings(spawn: Any)
     assert not os.path.exists(path)
     script = (
         "import multiprocessing as mp\n"
-        "from shardserve.ipc import MessageQueue\n"
+        "from shardserve.ipc import MessageQueueWriter\n"
         "import ipc_children as kids\n"
         "if __name__ == '__main__':\n"
-        "    W = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)\n"
+        "    W = MessageQueueWriter(1, 1, max_chunk_bytes=4096, max_chunks=2)\n"
         "    a, b = mp.get_context('spawn').Pipe()\n"
         "    p = mp.get_context('spawn').Process(target=kids.echo_reader,\n"
         "                                        args=(W.export_handle(), 0, b))\n"
         "    p.start(); W.wait_until_ready(30); W.enqueue('hi'); print(a.recv()[1])\n"
-        "    W2 = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)\n"
+        "    W2 = MessageQueueWriter(2, 2, max_chunk_bytes=4096, max_chunks=2)\n"
         "    print(W2.export_handle().shm_name)\n"
         "    W.close(); p.join(10)\n"  # W2 is never closed: the exit handler must unlink it
     )
@@ -354,11 +384,11 @@ def test_segments_removed_on_gc_and_at_exit_without_tracker_warnings(spawn: Any)
 
 
 def test_remote_ports_are_bound_by_the_os_and_distinct() -> None:
-    writers: list[MessageQueue] = []
+    writers: list[MessageQueueWriter] = []
     lock = threading.Lock()
 
     def make() -> None:
-        mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+        mq = MessageQueueWriter(1, 0, connect_ip="127.0.0.1")
         with lock:
             writers.append(mq)
 
@@ -369,7 +399,7 @@ def test_remote_ports_are_bound_by_the_os_and_distinct() -> None:
         t.join()
     addrs = {w.export_handle().remote_addr for w in writers}
     assert len(addrs) == 16 and all(a.startswith("tcp://127.0.0.1:") for a in addrs)
-    r = MessageQueue.create_from_handle(writers[0].export_handle(), 0)
+    r = MessageQueueReader.from_handle(writers[0].export_handle(), 0)
     writers[0].wait_until_ready(timeout=10)
     writers[0].enqueue("ping")
     assert r.dequeue(timeout=10) == "ping"
@@ -385,15 +415,19 @@ def test_poll_window_default_and_override() -> None:
     assert shm_ring.NAME_PREFIX.startswith("shardserve")
 
 
+def _count_yields(monkeypatch: Any, module: Any) -> list[int]:
+    """A list that grows by one each time the module's end yields the core while polling."""
+    yields: list[int] = []
+    monkeypatch.setattr(module, "_yield", lambda: yields.append(1) or os.sched_yield())
+    return yields
+
+
 def test_a_reader_polls_then_sleeps_and_after_a_long_wait_sleeps_at_once(
         monkeypatch: Any) -> None:
     """The reader polls (yielding the core) for its window, then announces a sleep; a message
     that comes during either is delivered; a wait longer than several windows makes the next
     wait skip the poll."""
-    from shardserve.ipc import message_queue
-
-    yields: list[int] = []
-    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    yields = _count_yields(monkeypatch, message_queue_reader)
     window_s = 0.2
     w, r = _local_pair(chunks=4, spin_us=window_s * 1e6)
     got: list[Any] = []
@@ -428,10 +462,7 @@ def test_a_reader_polls_then_sleeps_and_after_a_long_wait_sleeps_at_once(
 
 def test_a_writer_polling_for_a_slot_gets_it_when_released(monkeypatch: Any) -> None:
     """The writer waiting for a full ring's slot polls too; the release ends the wait."""
-    from shardserve.ipc import message_queue
-
-    yields: list[int] = []
-    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    yields = _count_yields(monkeypatch, message_queue_writer)
     w, r = _local_pair(chunks=1, spin_us=5e6)  # a window far longer than the test
     w.enqueue(0)
     t = threading.Thread(target=lambda: w.enqueue(1, timeout=30))
@@ -449,10 +480,7 @@ def test_a_polling_reader_sleeps_while_the_writer_copies_a_big_message(
         monkeypatch: Any) -> None:
     """The writer's copying hint (shm_ring.py) ends a reader's poll at once: it sleeps, and the
     publish wakes it."""
-    from shardserve.ipc import message_queue
-
-    yields: list[int] = []
-    monkeypatch.setattr(message_queue, "_yield", lambda: yields.append(1) or os.sched_yield())
+    yields = _count_yields(monkeypatch, message_queue_reader)
     w, r = _local_pair(chunk=4 << 20, chunks=2, spin_us=60e6)  # a poll window of a minute
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
@@ -490,7 +518,7 @@ def test_what_the_pickler_writes_straight_into_a_chunk_comes_back() -> None:
 
 
 def test_overflow_socket_lives_in_a_private_folder_that_goes_with_the_queue() -> None:
-    mq = MessageQueue(1, 1, name="private-sock")
+    mq = MessageQueueWriter(1, 1, name="private-sock")
     addr = mq.export_handle().local_addr
     assert addr is not None and addr.startswith("ipc://")
     folder = os.path.dirname(addr[len("ipc://"):])
