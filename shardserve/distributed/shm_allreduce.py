@@ -60,6 +60,15 @@ def map_segment(path: str, create_size: int | None) -> mmap.mmap:
         os.close(fd)
 
 
+def unmap_segment(mapping: mmap.mmap) -> None:
+    """Close a mapping once its owner dropped its views; one still alive elsewhere keeps it
+    (it goes with the process)."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+
+
 def _reserve_pages(fd: int, size: int) -> None:
     """Allocate the pages now: tmpfs allocates on first touch, and running out then is a SIGBUS
     mid-step; here it is an OSError, and the caller falls back to gloo."""
@@ -164,7 +173,4 @@ class ShmAllReduce:
     def close(self) -> None:
         self._slots = None  # type: ignore[assignment]
         self._counters = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # views still alive; the mapping goes with the process
+        unmap_segment(self._map)

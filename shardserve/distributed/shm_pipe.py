@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from shardserve import envs
-from shardserve.distributed.shm_allreduce import map_segment
+from shardserve.distributed.shm_allreduce import map_segment, unmap_segment
 from shardserve.ipc.segments import unlink_segment
 from shardserve.ipc.wakeup import futex_wait, futex_wake, poll_window_s
 
@@ -133,7 +133,4 @@ class ShmPipe:
     def close(self) -> None:
         self._slots = None  # type: ignore[assignment]
         self._counters = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # views still alive; the mapping goes with the process
+        unmap_segment(self._map)
