@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.model.loader import read_arch
 from shardserve.model import native_kernels
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.llama import LlamaForCausalLM
-from shardserve.model.loader import iter_weights
+from shardserve.model.loader import iter_weights, read_arch
 from tests.model.test_llama import PagedRunner
 
 pytestmark = pytest.mark.skipif(not native_kernels.compiler_available(), reason="no C compiler")

@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.engine.config_builder import model_config_for
-from shardserve.model.loader import read_arch
 from shardserve.config.model_arch import ModelArch
+from shardserve.engine.config_builder import model_config_for
 from shardserve.model import native_kernels
 from shardserve.model.llama import LlamaForCausalLM
-from shardserve.model.loader import iter_weights, load_tokenizer
+from shardserve.model.loader import iter_weights, load_tokenizer, read_arch
 from shardserve.model.quantization import QuantWeight
 from tests.entrypoints.pp_oracle import CHAT_PROMPTS, RAW_PROMPTS
 from tests.model.test_llama import PagedRunner
