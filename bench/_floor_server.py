@@ -24,10 +24,10 @@ import signal
 import sys
 from itertools import count
 
+from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.config_builder import engine_config_from_kwargs
-from shardserve.engine.core_proc import EngineOutputs, EngineRequest
+from shardserve.engine.core_wire import EngineOutputs, EngineRequest
 from shardserve.engine.request import Request
-from shardserve.entrypoints.server.async_engine import AsyncEngineClient
 from shardserve.sampling_params import SamplingParams
 
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

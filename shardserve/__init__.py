@@ -18,7 +18,7 @@ _ASYNC = {"AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs"}
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on use: the async engine pulls in pyzmq's asyncio layer and the server's metrics.
+    # Imported on use: the async engine pulls in pyzmq's asyncio layer.
     if name in _ASYNC:
         from shardserve.entrypoints import async_llm
 

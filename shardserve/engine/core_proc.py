@@ -1,38 +1,42 @@
-"""The engine-core process: EngineCore in a busy loop, fed and drained over ZMQ.
+"""The engine-core process: EngineCore in a busy loop, fed and drained over ZMQ (the messages
+and the socket layout: core_wire.py).
 
-    front end ──PUSH (EngineRequest)──▶ input socket i ──▶ engine core i: drain, step()
-    front end ◀──PULL (EngineOutputs)── output socket ◀───┘   (every replica pushes to it)
+Each loop turn drains every queued EngineRequest, then runs one step while requests are
+unfinished (its outputs go out at once), or blocks up to _IDLE_POLL_MS for input; a message
+out after anything applied carries fresh figures (e.g. after aborts freed KV blocks).
 
-The front end (the API server, or a multi-process client of `LLM`) binds the ipc:// sockets in
-its private temp dir, one input socket per data-parallel replica and one output socket they all
-connect to; each message out names its replica (`engine_index`). Messages are pickled small
-dataclasses. Every message out carries the scheduler's stats (and how many requests the core
-has taken in, so the front end knows which of its adds the figures include): /metrics and the
-load balancing never need a round trip.
-
-Liveness, both ways: the server watches this process's sentinel; this process polls the read end
-of a "death pipe" whose write end only the server holds, so EOF there means the server is gone
-and we shut down (stopping our executor's workers) instead of lingering.
+Liveness, both ways: the front end watches this process's sentinel; this process polls the read
+end of a "death pipe" whose write end only the front end holds, so EOF there means the front end
+is gone and we shut down (stopping our executor's workers) instead of lingering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import pickle
 import shutil
-import signal
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
-from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.engine.input_processor import EngineCoreRequest
-from shardserve.messages import EngineCoreOutput
+from shardserve.engine.core import EngineCore
+from shardserve.engine.core_wire import (
+    UTILITY_METHODS,
+    EngineAddresses,
+    EngineOutputs,
+    EngineRequest,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+    decode,
+    encode,
+    scheduler_stats,
+)
+from shardserve.process_setup import run_on_fresh_thread, setup_process
 
 logger = logging.getLogger(__name__)
 
@@ -40,126 +44,51 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
 
 
-# What a front end may call on an engine core by name ("utility" messages).
-UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc"})
-
-
-@dataclass
-class UtilityCall:
-    call_id: int
-    method: str  # one of UTILITY_METHODS
-    args: tuple = ()
-
-
-@dataclass
-class UtilityResult:
-    call_id: int
-    result: Any = None
-    error: str | None = None  # the exception, as "Type: message"
-
-
-@dataclass
-class EngineRequest:
-    """One message to the engine: "add" (request), "abort" (request_ids), "utility" (call) or
-    "shutdown"."""
-
-    kind: str
-    request: EngineCoreRequest | None = None
-    request_ids: list[str] = field(default_factory=list)
-    call: UtilityCall | None = None
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # totals since start (tokens)
-    prefix_cache_hits: int = 0
-    requests_added: int = 0  # "add" messages applied since start
-
-
-def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
-    """Data-parallel replicas' figures added up (KV usage: their mean)."""
-    total = SchedulerStats()
-    for s in replicas:
-        for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
-                     "prefix_cache_hits", "requests_added"):
-            setattr(total, name, getattr(total, name) + getattr(s, name))
-    total.kv_cache_usage = sum(s.kv_cache_usage for s in replicas) / max(1, len(replicas))
-    return total
-
-
-def scheduler_stats(core: Any, requests_added: int = 0) -> SchedulerStats:
-    """The figures an EngineCore reports with every message."""
-    sched = core.scheduler
-    return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
-                          sched.total_preemptions, sched.kv.stats.queries, sched.kv.stats.hits,
-                          requests_added)
-
-
-@dataclass
-class EngineOutputs:
-    """One step's outputs (maybe none: a stats-only update), or the news that the engine died."""
-
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-    timestamp: float = field(default_factory=time.monotonic)
-    dead_error: str | None = None
-    engine_index: int = 0  # the data-parallel replica that sent it
-    utility: UtilityResult | None = None  # the answer to a "utility" message
-
-
 @dataclass(frozen=True)
-class EngineAddresses:
-    input_addr: str
-    output_addr: str
+class EngineCoreArgs:
+    """What an engine-core process starts with (pickled under spawn)."""
+
+    config: EngineConfig
+    addrs: EngineAddresses
+    ready: Connection  # write end: "ready" (with the KV block count) or the start-up error
+    death: Connection  # read end: EOF once the front end is gone
+    engine_index: int = 0
+    forked: bool = False
+    # Forked: the parent's ends of this and the other replicas' pipes, inherited; closed first
+    # (a death pipe's write end held here would hide the front end's death from that replica).
+    close_fds: tuple[int, ...] = ()
 
 
-def run_engine_core(
-    config: EngineConfig, addrs: EngineAddresses, ready: Connection, death: Connection,
-    engine_index: int = 0,
-) -> None:
-    """Process entry point (spawn). Reports "ready" (or the start-up error) on `ready`."""
-    # Ctrl-C reaches the whole process group: the API server coordinates shutdown, so we ignore
-    # SIGINT; SIGTERM (sent to us alone) exits through the finally blocks below.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    logging.basicConfig(level=envs.log_level(),
-                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
-    _set_title("shardserve::engine_core" if engine_index == 0 else
-               f"shardserve::engine_core_{engine_index}")
-    from shardserve.engine.core import EngineCore
+def run_engine_core(args: EngineCoreArgs) -> None:
+    """Process entry point (fork or spawn: core_launcher.py)."""
+    for fd in args.close_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    suffix = f"_{args.engine_index}" if args.engine_index else ""
+    setup_process(f"shardserve::engine_core{suffix}",
+                  "%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    if args.forked:
+        run_on_fresh_thread(lambda: _serve(args), f"engine-core{suffix}-main")
+    else:
+        _serve(args)
 
+
+def _serve(args: EngineCoreArgs) -> None:
     try:
-        core = EngineCore(config)
+        core = EngineCore(args.config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which exits with it
-        ready.send(("error", f"{type(e).__name__}: {e}"))
+        args.ready.send(("error", f"{type(e).__name__}: {e}"))
         return
     loop = None
     try:
-        ready.send(("ready", core.kv_cache_config.num_blocks))
-        loop = EngineCoreLoop(core, addrs, death, engine_index)
+        args.ready.send(("ready", core.kv_cache_config.num_blocks))
+        loop = EngineCoreLoop(core, args.addrs, args.death, args.engine_index)
         loop.run()
     finally:
         core.shutdown()
-        if loop is not None and loop.orphaned:  # the server cannot remove its socket dir now
-            shutil.rmtree(os.path.dirname(addrs.input_addr.removeprefix("ipc://")),
+        if loop is not None and loop.orphaned:  # the front end cannot remove its socket dir now
+            shutil.rmtree(os.path.dirname(args.addrs.input_addr.removeprefix("ipc://")),
                           ignore_errors=True)
-
-
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _set_title(title: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        pass
 
 
 class EngineCoreLoop:
@@ -225,7 +154,7 @@ class EngineCoreLoop:
                 frame = self.input.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return changed, False
-            msg: EngineRequest = pickle.loads(frame.buffer)
+            msg: EngineRequest = decode(frame)
             changed = True
             if msg.kind == "add" and msg.request is not None:
                 self.core.add_request(msg.request.to_request())
@@ -269,4 +198,4 @@ class EngineCoreLoop:
 
     def _send(self, msg: EngineOutputs) -> None:
         msg.engine_index = self.engine_index
-        self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        self.output.send(encode(msg), copy=False)

@@ -13,7 +13,8 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.engine.core import EngineCore
-from shardserve.engine.core_client import EngineCoreClient, InprocClient, make_client
+from shardserve.engine.core_client import EngineCoreClient
+from shardserve.engine.inproc_client import InprocClient, make_client
 from shardserve.engine.input_processor import InputProcessor, PromptType
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.model.tokenizer import EngineTokenizer

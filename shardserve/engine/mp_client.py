@@ -1,23 +1,17 @@
 """MPClient: a synchronous front end's engine cores in processes of their own, one per
-data-parallel replica (core_launcher.py), over ZMQ (core_proc.py's messages).
+data-parallel replica (the replica set: replica_set.py), over ZMQ (core_wire.py).
 
 Waiting for outputs polls the output socket and every engine process's sentinel, so a replica
 that dies ends the wait at once with EngineDeadError naming it (the whole engine fails, as it
 does when a worker dies). Utility calls (`call`) go to each replica and wait for every answer;
-step outputs that arrive meanwhile are kept for the next `get_output`.
-
-Re-scaling (`scale`): new replicas start with the config's data_parallel_size set to the new
-count (their share of the cores and of the CPU KV budget); the running ones take their new
-share of the cores (their KV cache stays as allocated). Removed replicas (the highest indices)
-stop taking requests at once and are stopped once the requests they run have finished
-(checked after every message).
+step outputs that arrive meanwhile are kept for the next `get_output`. Drained replicas of a
+scale-down are retired after every message (replica_set.py).
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
-import pickle
 from typing import Any
 
 import zmq
@@ -25,15 +19,16 @@ import zmq
 from shardserve.config import EngineConfig
 from shardserve.engine.core_client import EngineCoreClient
 from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess, describe_exit
-from shardserve.engine.core_proc import (
+from shardserve.engine.core_wire import (
+    SHUTDOWN,
     EngineOutputs,
     EngineRequest,
     SchedulerStats,
-    UtilityCall,
-    UtilityResult,
+    decode,
 )
-from shardserve.engine.dp_router import ReplicaRouter, check_new_size, resized
+from shardserve.engine.dp_router import ReplicaRouter
 from shardserve.engine.input_processor import EngineCoreRequest
+from shardserve.engine.replica_set import ReplicaSet
 from shardserve.errors import EngineDeadError
 from shardserve.messages import EngineCoreOutput
 
@@ -46,43 +41,41 @@ _POLL_MS = 100
 class MPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
         self.config = config
-        self.start_timeout_s = start_timeout_s
-        self.router = ReplicaRouter(0)
         self._closed = False
         self.dead_error: str | None = None
-        self.ins: dict[int, zmq.Socket] = {}
-        self._sentinels: dict[int, EngineCoreProcess] = {}
         self._buffered: list[EngineOutputs] = []  # step outputs that came during a call()
-        self._call_ids = itertools.count()
-        self.group = EngineCoreGroup(config, start_timeout_s)
-        self.ctx = zmq.Context()
+        self._sentinels: dict[int, EngineCoreProcess] = {}
         self.poller = zmq.Poller()
+        self.replicas = ReplicaSet(config, start_timeout_s)  # every replica ready
         try:
-            self.out = self.ctx.socket(zmq.PULL)
-            self.out.bind(self.group.output_addr)
-            self.poller.register(self.out, zmq.POLLIN)
-            self._connect(list(self.group.procs))
+            self.replicas.open(zmq.Context(), self._watch, self._unwatch)
+            self.poller.register(self.replicas.out, zmq.POLLIN)
         except BaseException:
             self.shutdown()
             raise
 
     @property
+    def router(self) -> ReplicaRouter:
+        return self.replicas.router
+
+    @property
+    def group(self) -> EngineCoreGroup:
+        return self.replicas.group
+
+    @property
     def num_replicas(self) -> int:
         return len(self.router.replicas)
 
-    def _connect(self, indices: list[int]) -> None:
-        """Bind the input sockets of started replicas, watch them, route to them."""
-        for i in indices:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.bind(self.group.input_addr(i))
-            self.ins[i] = sock
-            proc = self.group.procs[i]
-            self._sentinels[proc.sentinel] = proc
-            self.poller.register(proc.sentinel, zmq.POLLIN)
-            self.router.add_replica(i)
+    def _watch(self, proc: EngineCoreProcess) -> None:
+        self._sentinels[proc.sentinel] = proc
+        self.poller.register(proc.sentinel, zmq.POLLIN)
+
+    def _unwatch(self, proc: EngineCoreProcess) -> None:
+        if self._sentinels.pop(proc.sentinel, None) is not None:
+            self.poller.unregister(proc.sentinel)
 
     def _send(self, replica: int, msg: EngineRequest) -> None:
-        self.ins[replica].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        self.replicas.send(replica, msg)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -117,8 +110,8 @@ class MPClient(EngineCoreClient):
             for fd, proc in list(self._sentinels.items()):
                 if fd in events:
                     self._die(describe_exit(proc))
-            if self.out in events:
-                return pickle.loads(self.out.recv(copy=False).buffer)
+            if self.replicas.out in events:
+                return decode(self.replicas.out.recv(copy=False))
 
     def _handle(self, msg: EngineOutputs) -> list[EngineCoreOutput]:
         self.router.on_stats(msg.engine_index, msg.stats)
@@ -141,64 +134,44 @@ class MPClient(EngineCoreClient):
 
     def call(self, method: str, *args: Any, replicas: list[int] | None = None) -> list[Any]:
         self._check_alive()
-        targets = self.router.serving if replicas is None else replicas
-        bad = [r for r in targets if r not in self.ins]
-        if bad:
-            raise ValueError(f"replicas {bad} do not exist; there are {self.router.replicas}")
-        call_id = next(self._call_ids)
-        for replica in targets:
-            self._send(replica, EngineRequest("utility", call=UtilityCall(call_id, method, args)))
-        results: dict[int, UtilityResult] = {}
-        while len(results) < len(targets):
-            msg = self._receive()
-            if msg.utility is not None and msg.utility.call_id == call_id:
+        call = self.replicas.begin_call(method, args, replicas)
+        try:
+            for replica in call.targets:
+                self._send(replica, call.request)
+            while not call.done:
+                msg = self._receive()
+                if msg.outputs or msg.dead_error is not None:
+                    self._buffered.append(msg)  # for get_output, in order
+                    continue
                 self.router.on_stats(msg.engine_index, msg.stats)
-                results[msg.engine_index] = msg.utility
-            elif msg.outputs or msg.dead_error is not None:
-                self._buffered.append(msg)
-            else:
-                self.router.on_stats(msg.engine_index, msg.stats)
-        for replica in targets:
-            if results[replica].error is not None:
-                raise RuntimeError(f"engine core {replica}: {method}: {results[replica].error}")
-        return [results[r].result for r in targets]
+                self.replicas.on_utility(msg)
+        finally:
+            self.replicas.end_call(call)
+        return call.result()
 
-    # ---- re-scaling ----
-    def scale(self, data_parallel_size: int) -> None:
+    def scale(self, data_parallel_size: int) -> EngineCoreClient:
         self._check_alive()
-        check_new_size(self.config.parallel_config, data_parallel_size)
-        new, kept = self.router.plan_scale(data_parallel_size)
-        if new:
-            config = resized(self.config, data_parallel_size)
-            self.group.start(config, new, self.start_timeout_s)
-            self._connect(new)
-            logger.info("scaled up to %d replicas (started %s)", data_parallel_size, new)
+        plan = self.replicas.plan_scale(data_parallel_size)
+        if plan.new:
+            self.replicas.start_replicas(plan)
+            self.replicas.add_started(plan)
         self._retire_drained()
-        self.call("collective_rpc", "set_data_parallel_size", None, (data_parallel_size,), None,
-                  replicas=kept)
+        self.call("collective_rpc", *plan.resize_args, replicas=plan.kept)
+        return self
 
     def _retire_drained(self) -> None:
-        for i in self.router.drained():
-            proc = self.group.procs[i]
-            self.poller.unregister(proc.sentinel)
-            del self._sentinels[proc.sentinel]
-            try:
-                self._send(i, EngineRequest("shutdown"))
-            except zmq.ZMQError:
-                pass
+        for i in self.replicas.take_drained():
+            with contextlib.suppress(zmq.ZMQError):
+                self.replicas.send(i, SHUTDOWN, zmq.NOBLOCK)
             self.group.stop_one(i)
-            self.ins.pop(i).close(linger=0)
-            self.router.remove_replica(i)
-            logger.info("engine core %d stopped (scaled down)", i)
+            self.replicas.forget(i)
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for sock in self.ins.values():
-            try:
-                sock.send(pickle.dumps(EngineRequest("shutdown")), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        for i in self.replicas.stop_watching():
+            with contextlib.suppress(zmq.ZMQError):
+                self.replicas.send(i, SHUTDOWN, zmq.NOBLOCK)
         self.group.stop()
-        self.ctx.destroy(linger=0)  # every socket, a half-made one too
+        self.replicas.close()

@@ -1,9 +1,8 @@
 """AsyncLLM (vLLM's `AsyncLLM` / `AsyncLLMEngine`): the engine for asyncio programs.
 
-The engine core runs in its own process, as under `shardserve serve` (this is the server's engine
-client without the HTTP layer); `generate()` is an async iterator of cumulative RequestOutputs,
-and leaving it early aborts the request. Needs the server extra (`pip install
-'shardserve[server]'`, for the metrics the client keeps).
+The engine core runs in its own process, as under `shardserve serve` (AsyncLLM is the server's
+engine client, engine/async_engine.py, without the HTTP layer and its metrics); `generate()` is
+an async iterator of cumulative RequestOutputs, and leaving it early aborts the request.
 
     engine = AsyncLLM.from_engine_args(EngineArgs(model=None))
     async for output in engine.generate("Hello", SamplingParams(max_tokens=16), "req-1"):
@@ -19,6 +18,7 @@ from typing import Any
 
 from shardserve.config import EngineConfig
 from shardserve.engine.arg_utils import EngineArgs
+from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.llm_engine import LLMEngine, PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -26,11 +26,6 @@ from shardserve.sampling_params import SamplingParams
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stream_interval: int = 1) -> None:
-        try:
-            from shardserve.entrypoints.server.async_engine import AsyncEngineClient
-        except ImportError as e:
-            raise ImportError(f"AsyncLLM needs the server extra ({e}): pip install "
-                              f"'shardserve[server]'") from e
         self.config = config
         self._client = AsyncEngineClient(config, stream_interval=stream_interval)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -1,4 +1,5 @@
-"""How the mp backend starts its worker processes: fork when it is safe, spawn otherwise.
+"""How the engine starts its child processes (the mp backend's workers, the engine cores of
+data_parallel_size > 1): fork when it is safe, spawn otherwise.
 
 Fork is what a user's plain script needs: a spawned worker re-imports the script that started
 it, so a script without an `if __name__ == "__main__":` guard would start an engine inside every
@@ -7,7 +8,7 @@ other Python threads (a lock one of them holds, the logging module's say, stays 
 in the child) and no CUDA context (a forked child cannot use it). Native threads are no obstacle:
 torch's own pools and ZMQ's I/O threads are not used by the child, and the parent's OpenMP pool,
 which would hang the child's first parallel kernel on its main thread, is avoided by running the
-forked worker on a fresh thread (worker_main.py).
+forked child's work on a fresh thread (process_setup.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from functools import lru_cache
 
 from shardserve import envs
+from shardserve.process_setup import work_thread
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ def _why_fork_is_unsafe() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "this process holds a CUDA context"
-    if threading.current_thread() is not threading.main_thread():
+    main = work_thread()  # a forked child's work runs on a fresh thread (process_setup.py)
+    if threading.current_thread() is not main:
         return "the engine is being created off the main thread"
-    names = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    idle = (main, threading.main_thread())  # the latter only waits for the former
+    names = sorted(t.name for t in threading.enumerate() if t not in idle)
     if names:
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return f"this process runs {len(names)} other Python thread(s) ({shown})"

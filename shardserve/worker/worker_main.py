@@ -12,12 +12,10 @@ Start-up, in order (the executor's side is in executor/worker_process.py):
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
 import logging
 import os
 import queue
-import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -28,6 +26,7 @@ from shardserve.errors import RemoteError
 from shardserve.ipc import Handle, MessageQueue, MessageQueueReader, MessageQueueWriter, QueueClosed
 from shardserve.ipc.rpc import SHUTDOWN, RpcReply, RpcRequest
 from shardserve.ipc.segments import unlink_segment
+from shardserve.process_setup import run_on_fresh_thread, setup_process
 from shardserve.worker.worker import run_method
 
 logger = logging.getLogger(__name__)
@@ -66,27 +65,12 @@ def worker_main(args: WorkerProcArgs) -> None:
             os.close(fd)
         except OSError:
             pass
-    _setup_process(args)
-    if not args.forked:
+    setup_process(f"shardserve::{args.label}",
+                  f"({args.label} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s")
+    if args.forked:
+        run_on_fresh_thread(lambda: _serve(args), f"{args.label}-main")
+    else:
         _serve(args)
-        return
-    # A forked child inherits the parent's OpenMP state for its main thread only, and that
-    # pool's threads do not exist here: the first parallel kernel on this thread would wait for
-    # them for ever. A new thread builds a pool of its own, so the worker runs on one; this
-    # thread keeps the signal handlers (SIGTERM still raises SystemExit here and ends us).
-    failure: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            _serve(args)
-        except BaseException as e:  # re-raised on the main thread: same exit code and report
-            failure.append(e)
-
-    thread = threading.Thread(target=serve, name=f"{args.label}-main", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
 
 
 def _serve(args: WorkerProcArgs) -> None:
@@ -114,32 +98,6 @@ def _serve(args: WorkerProcArgs) -> None:
         run_busy_loop(worker, args.rank, broadcast, response_mq)
     finally:
         _close_all(worker, broadcast, response_mq)
-
-
-def _setup_process(args: WorkerProcArgs) -> None:
-    # Ctrl-C reaches the whole foreground process group; the engine process owns the reaction
-    # (a staged shutdown), so workers ignore SIGINT. SIGTERM unwinds through `finally`.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: who is stuck where.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"shardserve::{args.label}")
-    except ImportError:
-        pass
-    from shardserve import envs
-
-    logging.basicConfig(
-        level=envs.log_level(),
-        format=f"({args.label} pid={os.getpid()}) %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-
-
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _watch_death_pipe(conn: Connection, orphans: list[str | None]) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardserve import LLM, EngineDeadError, SamplingParams
-from shardserve.engine.core_client import InprocClient
+from shardserve.engine.inproc_client import InprocClient
 from shardserve.engine.mp_client import MPClient
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))

@@ -3,7 +3,7 @@ since, children of one request kept together, aborts grouped by owner."""
 
 from __future__ import annotations
 
-from shardserve.engine.core_proc import SchedulerStats
+from shardserve.engine.core_wire import SchedulerStats
 from shardserve.engine.dp_router import ReplicaRouter
 
 

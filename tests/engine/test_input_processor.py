@@ -74,7 +74,7 @@ def test_front_ends_share_it(tiny_llama_dir):
             llm.generate([list(range(1, 18))], SamplingParams(max_tokens=1), use_tqdm=False)
     finally:
         llm.shutdown()
-    source = Path(shardserve.__file__).parent / "entrypoints" / "server" / "async_engine.py"
+    source = Path(shardserve.__file__).parent / "engine" / "async_engine.py"
     imported = {node.module for node in ast.walk(ast.parse(source.read_text()))
                 if isinstance(node, ast.ImportFrom)}
     assert "shardserve.engine.request" not in imported

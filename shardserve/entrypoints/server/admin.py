@@ -19,7 +19,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shardserve.entrypoints.server.async_engine import AsyncEngineClient
+from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.entrypoints.server.protocol import error_body
 
 ADMIN_PATHS = ("/scale", "/sleep", "/wake_up", "/is_sleeping")

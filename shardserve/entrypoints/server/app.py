@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.engine.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.engine.dp_router import NoReplicaError
 from shardserve.entrypoints.server.admin import ADMIN_PATHS, add_admin_routes
-from shardserve.entrypoints.server.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
 from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.protocol import (

@@ -120,6 +120,10 @@ class ServerMetrics:
             if out.finished:
                 self._finish(out.request_id, out.finish_reason or "stop", now)
 
+    def on_rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (e.g. "queue_full")."""
+        self.rejected.labels(reason=reason).inc()
+
     def on_finished(self, engine_ids: list[str], reason: str) -> None:
         """Requests that ended outside the engine's outputs: aborts, stop strings."""
         now = time.monotonic()

@@ -108,9 +108,10 @@ class ServeCommand:
         try:
             import uvicorn
 
+            from shardserve.engine.async_engine import AsyncEngineClient
             from shardserve.entrypoints.server.app import build_app
-            from shardserve.entrypoints.server.async_engine import AsyncEngineClient
             from shardserve.entrypoints.server.limits import ServerLimits
+            from shardserve.entrypoints.server.metrics import ServerMetrics
         except ImportError as e:
             raise ValueError(f"{e}; install the server extra: pip install 'shardserve[server]'") \
                 from e
@@ -135,7 +136,8 @@ class ServeCommand:
         client, status = None, 0
         try:
             client = AsyncEngineClient(config, max_queued=args.max_queued_requests,
-                                       stream_interval=args.stream_interval)
+                                       stream_interval=args.stream_interval,
+                                       metrics=ServerMetrics())
             app = build_app(client, served, aliases, api_key,
                             docs=not args.disable_fastapi_docs, limits=limits,
                             chat_template=chat_template,
@@ -160,7 +162,7 @@ class ServeCommand:
 def _run_headless(args: argparse.Namespace) -> int:
     from shardserve import envs
     from shardserve.engine.config_builder import engine_config_from_kwargs
-    from shardserve.executor.headless_node import run_headless
+    from shardserve.executor.multinode.headless import run_headless
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")

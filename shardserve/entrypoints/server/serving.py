@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.structured_output import check_grammar
-from shardserve.entrypoints.server.async_engine import AsyncEngineClient
 from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
 from shardserve.entrypoints.server.protocol import (

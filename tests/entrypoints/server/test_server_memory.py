@@ -110,7 +110,7 @@ def test_output_collector_keeps_one_output():
     """A request holds the newest untaken output only; an error replaces it and sticks."""
     import asyncio
 
-    from shardserve.entrypoints.server.async_engine import _OutputCollector
+    from shardserve.engine.async_engine import _OutputCollector
     from shardserve.errors import EngineDeadError
     from shardserve.outputs import RequestOutput
 

@@ -1,5 +1,6 @@
-"""AsyncEngineClient: the API server's side of the engine-core processes (one per data-parallel
-replica, core_launcher.py; requests go to the least loaded, dp_router.py).
+"""AsyncEngineClient: the asyncio front end (the API server, AsyncLLM) over the engine-core
+processes (one per data-parallel replica, async_mp_client.py; requests go to the least loaded,
+dp_router.py).
 
 Tokenization happens in `add_request`, detokenization in the outputs loop (an asyncio task that
 reads the output socket and feeds the OutputProcessor), so both overlap the engine's model steps.
@@ -15,6 +16,9 @@ Admission (`max_queued`): engine requests beyond the engine's batch (`max_num_se
 queue; past `max_queued` of them a new request is refused with QueueFullError (503 +
 Retry-After) before it reaches the engine. Drain (`begin_drain`): new requests are refused,
 open ones finish; after the deadline the rest end with an error.
+
+Metrics: what happens is reported to `metrics` (the server's Prometheus registry; by default
+NoMetrics, which keeps nothing), so this layer needs no metrics library.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from typing import Any
 
 from shardserve import envs
 from shardserve.config import EngineConfig
+from shardserve.engine.async_mp_client import AsyncMPClient
 from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
-from shardserve.engine.core_proc import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
+from shardserve.engine.core_wire import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
 from shardserve.engine.input_processor import InputProcessor
 from shardserve.engine.output_processor import OutputProcessor
-from shardserve.entrypoints.server.engine_replicas import AsyncReplicas
-from shardserve.entrypoints.server.metrics import ServerMetrics
 from shardserve.errors import EngineDeadError
+from shardserve.messages import EngineCoreOutput
 from shardserve.model.loader import load_tokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -48,6 +52,25 @@ class QueueFullError(Exception):
     """Too many requests waiting for the engine: answered 503 with Retry-After."""
 
     retry_after_s = _RETRY_AFTER_S
+
+
+class NoMetrics:
+    """What AsyncEngineClient reports, and where nobody keeps it (the server's ServerMetrics
+    has the same methods)."""
+
+    def set_replicas(self, serving: int, indices: list[int]) -> None: ...
+
+    def remove_replica(self, index: int) -> None: ...
+
+    def on_stats(self, engine: int, stats: SchedulerStats) -> None: ...
+
+    def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None: ...
+
+    def on_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None: ...
+
+    def on_finished(self, engine_ids: list[str], reason: str) -> None: ...
+
+    def on_rejected(self, reason: str) -> None: ...
 
 
 class _OutputCollector:
@@ -76,7 +99,8 @@ class _OutputCollector:
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
-                 max_queued: int | None = None, stream_interval: int = 1) -> None:
+                 max_queued: int | None = None, stream_interval: int = 1,
+                 metrics: Any = None) -> None:
         if max_queued is not None and max_queued < 0:
             raise ValueError(f"--max-queued-requests={max_queued} must be >= 0")
         self.config = config
@@ -88,7 +112,7 @@ class AsyncEngineClient:
         self.inputs = InputProcessor(config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer, stream=True,
                                          stream_interval=stream_interval)
-        self.metrics = ServerMetrics()
+        self.metrics = NoMetrics() if metrics is None else metrics
         self.dead_error: str | None = None
         self._queues: dict[str, _OutputCollector] = {}
         self._closing = False
@@ -98,7 +122,7 @@ class AsyncEngineClient:
         self._stats_task: asyncio.Task | None = None
         self._tokens_since_log = [0, 0]  # prompt, generated
         # Spawns every replica's engine core and waits until each has loaded its model.
-        self.replicas = AsyncReplicas(config, start_timeout_s)
+        self.replicas = AsyncMPClient(config, start_timeout_s)
         self.router = self.replicas.router
         self.metrics.set_replicas(len(self.router.serving), self.router.replicas)
 
@@ -184,7 +208,7 @@ class AsyncEngineClient:
         batch = self.config.scheduler_config.max_num_seqs * len(self.router.serving)
         waiting = self._num_engine_requests - batch
         if max(waiting, 0) + num_engine_requests > self.max_queued:
-            self.metrics.rejected.labels(reason="queue_full").inc()
+            self.metrics.on_rejected("queue_full")
             raise QueueFullError(
                 f"the engine's queue is full: {max(waiting, 0)} requests waiting, this one "
                 f"adds {num_engine_requests}, the limit is {self.max_queued} "
@@ -248,7 +272,7 @@ class AsyncEngineClient:
 
     # ---- replicas: re-scaling and utility calls ----
     async def scale(self, data_parallel_size: int) -> list[int]:
-        """Serve with `data_parallel_size` replicas (see engine_replicas.py)."""
+        """Serve with `data_parallel_size` replicas (see replica_set.py)."""
         self.check_alive()
         serving = await self.replicas.scale(data_parallel_size)
         self.metrics.set_replicas(len(serving), self.router.replicas)

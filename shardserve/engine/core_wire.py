@@ -1,0 +1,118 @@
+"""What crosses the ZMQ sockets between a front end and its engine-core processes.
+
+    front end (MPClient, AsyncMPClient: replica_set.py)           engine core i (core_proc.py)
+    ─────────────────────────────────────────────────             ────────────────────────────
+    input socket i   PUSH, binds ipc://<dir>/in<i> ── EngineRequest ──▶ PULL, connects
+                       "add" (request) | "abort" (request_ids)
+                       | "utility" (UtilityCall) | "shutdown"
+    output socket    PULL, binds ipc://<dir>/out  ◀── EngineOutputs ── PUSH, connects (all i)
+                       outputs + SchedulerStats + engine_index
+                       [+ UtilityResult] [+ dead_error]
+
+One input socket per data-parallel replica, one output socket that every replica pushes to; each
+message out names its replica (`engine_index`). Frames are pickles (`encode` / `decode`) of the
+small dataclasses below. Every message out carries the scheduler's figures (and how many "add"
+messages the core has applied, so the front end knows which of its adds they include): metrics
+and load balancing never need a round trip. A utility call goes to each target replica with one
+call id and is answered once by each.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardserve.engine.input_processor import EngineCoreRequest
+from shardserve.messages import EngineCoreOutput
+
+# What a front end may call on an engine core by name ("utility" messages).
+UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc"})
+
+
+@dataclass
+class UtilityCall:
+    call_id: int
+    method: str  # one of UTILITY_METHODS
+    args: tuple = ()
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception, as "Type: message"
+
+
+@dataclass
+class EngineRequest:
+    """One message to the engine: "add" (request), "abort" (request_ids), "utility" (call) or
+    "shutdown"."""
+
+    kind: str
+    request: EngineCoreRequest | None = None
+    request_ids: list[str] = field(default_factory=list)
+    call: UtilityCall | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # totals since start (tokens)
+    prefix_cache_hits: int = 0
+    requests_added: int = 0  # "add" messages applied since start
+
+
+def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """Data-parallel replicas' figures added up (KV usage: their mean)."""
+    total = SchedulerStats()
+    for s in replicas:
+        for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
+                     "prefix_cache_hits", "requests_added"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+    total.kv_cache_usage = sum(s.kv_cache_usage for s in replicas) / max(1, len(replicas))
+    return total
+
+
+def scheduler_stats(core: Any, requests_added: int = 0) -> SchedulerStats:
+    """The figures an EngineCore reports with every message."""
+    sched = core.scheduler
+    return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
+                          sched.total_preemptions, sched.kv.stats.queries, sched.kv.stats.hits,
+                          requests_added)
+
+
+@dataclass
+class EngineOutputs:
+    """One step's outputs (maybe none: a stats-only update), or the news that the engine died."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float = field(default_factory=time.monotonic)
+    dead_error: str | None = None
+    engine_index: int = 0  # the data-parallel replica that sent it
+    utility: UtilityResult | None = None  # the answer to a "utility" message
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """One replica's two endpoints (its own input socket, the shared output socket)."""
+
+    input_addr: str
+    output_addr: str
+
+
+SHUTDOWN = EngineRequest("shutdown")
+
+
+def encode(msg: EngineRequest | EngineOutputs) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(frame: Any) -> Any:
+    """A message from a received frame (a zmq.Frame, or bytes)."""
+    return pickle.loads(getattr(frame, "buffer", frame))
