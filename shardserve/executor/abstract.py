@@ -1,8 +1,9 @@
 """The executor contract: how the engine reaches its workers, whatever runs them.
 
 Every backend implements three things: `_init_executor` (start the workers), `collective_rpc`
-(call one worker method on every rank) and `shutdown`. Everything else on this class is a thin
-wrapper over `collective_rpc`, so a backend cannot drift from the contract.
+(call one worker method on every rank) and `_shutdown` (stop them; `shutdown` runs it once).
+Everything else on this class is a thin wrapper over `collective_rpc`, so a backend cannot drift
+from the contract.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Executor(ABC):
         self._failure_callback: FailureCallback | None = None
         self._death: str | None = None  # why the executor failed, once it has
         self._shut_down = False
+        self._shutdown_lock = threading.Lock()  # a concurrent shutdown waits for the first
         # Serialises failure marking: the callback must have run before any thread can see
         # `_death` and raise EngineDeadError (re-entrant: a callback may call back into us).
         self._fail_lock = threading.RLock()
@@ -107,8 +109,20 @@ class Executor(ABC):
         """
 
     @abstractmethod
+    def _shutdown(self) -> None:
+        """Stop every worker and free what the executor created; runs once (see shutdown).
+        A backend whose `_init_executor` calls shutdown() when it fails part-way frees here
+        whatever exists by then."""
+
     def shutdown(self) -> None:
-        """Stop every worker and free what the executor created. Idempotent."""
+        """Stop every worker and free what the executor created. Idempotent: a second caller
+        returns at once, a concurrent one once the first is done. Calls made after it (and
+        those still waiting, on backends that can tell) raise EngineDeadError."""
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True  # first: failures from here on are the shutdown's own
+            self._shutdown()
 
     # ---- thin wrappers over collective_rpc ----
     @property

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from shardserve.executor.uniproc import UniProcExecutor
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.worker.build import build_worker
 from shardserve.worker.worker import Worker
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -50,7 +51,7 @@ def launcher_env() -> tuple[int, int, int, int]:
 class ExternalLauncherExecutor(UniProcExecutor):
     supports_early_forward = False  # steps go out whole (see Executor.supports_early_forward)
 
-    def _make_worker(self) -> Worker:
+    def _build_worker(self) -> Worker:
         rank, local_rank, world, local_world = launcher_env()
         expected = self.parallel_config.world_size
         if world != expected:
@@ -58,7 +59,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
                 f"the launcher started {world} processes (WORLD_SIZE={world}) but "
                 f"tensor_parallel_size x pipeline_parallel_size = {expected}; make them equal"
             )
-        return Worker(
+        return build_worker(
             self.config, rank=rank, local_rank=local_rank,
             distributed_init_method="env://", local_world_size=local_world,
         )  # fmt: skip

@@ -1,16 +1,17 @@
 """MultiprocExecutor: one worker process per rank, fed by the shared-memory broadcast queue.
 
     collective_rpc ──RpcRequest──▶ broadcast MessageQueue (1 → world_size) ──▶ rank busy loops
-    RpcChannel    ◀──RpcReply──── one reply MessageQueue per rank ◀────────────────┘
+    QueueRpc      ◀──RpcReply──── one reply MessageQueue per rank ◀────────────────┘
 
-The queues and the call/reply bookkeeping live in queue_rpc.py / rpc_channel.py, shared with
+The queues, the call/reply bookkeeping and the close order live in queue_rpc.py, shared with
 ray_v2; this class supplies the processes and their death watch (worker_process.py: start-up,
 death watch, staged stop).
 
 With nnodes > 1 this is node 0: ranks are node-major, so its own ranks 0..L-1 are the
 broadcast's shared-memory readers and every other node's ranks read over the queue's TCP path
-and reply through TCP queues. RemoteNodes (node_link.py) starts the other nodes' ranks through
-their `--headless` agents (headless_node.py) and reports a lost node as this executor's failure.
+and reply through TCP queues. RemoteNodes (multinode/remote_nodes.py) starts the other nodes'
+ranks through their `--headless` agents (multinode/headless.py) and reports a lost node as this
+executor's failure.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from shardserve.distributed.parallel_state import STORE_CLIENT_SCHEME
 from shardserve.errors import WorkerStartupError
 from shardserve.executor.abstract import Executor
-from shardserve.executor.node_link import RemoteNodes, ensure_cluster_secret
-from shardserve.executor.queue_rpc import QueueRpc
-from shardserve.executor.rpc_channel import WorkerHooks
+from shardserve.executor.multinode.remote_nodes import RemoteNodes
+from shardserve.executor.multinode.secret import cluster_secret
+from shardserve.executor.queue_rpc import QueueRpc, WorkerHooks
 from shardserve.executor.worker_process import (
     WorkerHandle,
     WorkerMonitor,
@@ -41,13 +41,9 @@ from shardserve.executor.worker_process import (
     stop_workers,
     wait_for_ready,
 )
-from shardserve.ipc import MessageQueueWriter
 from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
-
-_SHUTDOWN_GRACE_S = 2.0
-
 
 class MultiprocExecutor(Executor):
 
@@ -59,7 +55,6 @@ class MultiprocExecutor(Executor):
                              f"`shardserve serve MODEL --headless --nnodes {pc.multinode.nnodes} "
                              f"--node-rank {pc.multinode.node_rank} ...`")
         self.world_size = pc.world_size
-        self._shutdown_lock = threading.Lock()
         self.workers: list[WorkerHandle] = []
         self.monitor: WorkerMonitor | None = None
         self.remote: RemoteNodes | None = None
@@ -70,14 +65,14 @@ class MultiprocExecutor(Executor):
         # other nodes' read over its TCP path.
         # A prefix: 0..L-1 (maybe none).
         self.local_ranks = list(pc.layout.ranks_on_node(0, pc.data_parallel_rank))
-        self.rpc = QueueRpc(MessageQueueWriter(
-            self.world_size, len(self.local_ranks), name="rpc-broadcast",
-            connect_ip=pc.multinode.master_addr if self._spans_nodes else None,
-        ))
+        hooks = WorkerHooks(
+            self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
+        )
+        self.rpc = QueueRpc(self.world_size, len(self.local_ranks),
+                            pc.multinode.master_addr if self._spans_nodes else None, hooks)
         try:
             if self._spans_nodes:
-                ensure_cluster_secret(self.config)
-                self.remote = RemoteNodes(pc, self._on_node_failure)
+                self.remote = RemoteNodes(pc, cluster_secret(self.config), self._on_node_failure)
             self._start(pc.worker_start_timeout_s)
         except BaseException as e:
             self.shutdown()
@@ -116,10 +111,7 @@ class MultiprocExecutor(Executor):
         if self.remote is not None:
             remote = self.remote.wait_ready(timeout_s)
             replies += [remote[r] for r in range(len(self.local_ranks), self.world_size)]
-        hooks = WorkerHooks(
-            self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
-        )
-        self.rpc.connect(replies, hooks, timeout_s,
+        self.rpc.connect(replies, timeout_s,
                          abort=lambda: self.remote.failure if self.remote else None)
         self.monitor = WorkerMonitor(self.workers, self._on_worker_death)
         self._check_nodes()
@@ -151,7 +143,6 @@ class MultiprocExecutor(Executor):
         )
 
     def collective_rpc(self, *args: Any, **kwargs: Any) -> Any:  # see Executor
-        self._raise_if_dead()
         return self.rpc.call(*args, **kwargs)
 
     def _dead_worker(self, wait_s: float) -> str | None:
@@ -185,22 +176,18 @@ class MultiprocExecutor(Executor):
                 notes.append(f"rank {h.rank} (pid {h.pid}) is {status}")
         return f"; {', '.join(notes)}" if notes else ""
 
-    # ---- shutdown ----
-    def shutdown(self) -> None:
-        with self._shutdown_lock:  # a concurrent caller waits until the first one is done
-            if self._shut_down:
-                return
-            self._shut_down = True
-            if self.monitor is not None:
-                self.monitor.stop()
-            running = self.monitor is not None  # started: every rank reads the broadcast
-            asked = running and self.rpc.ask_workers_to_exit()
-            stop_workers(self.workers, _SHUTDOWN_GRACE_S if asked else 0.0)
-            if self.remote is not None:
-                self.remote.stop(_SHUTDOWN_GRACE_S if asked else 0.0)
-            self.rpc.close()
-            for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
-                if not h.process.is_alive():
-                    unlink_segments_of(h.pid)
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._store = None  # stops its server
+    # ---- shutdown (Executor.shutdown: once, under its lock) ----
+    def _shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()  # the deaths to come are ours
+        self.rpc.shutdown(self._stop_processes)
+        for h in self.workers:  # what a killed worker could not unlink (e.g. all-reduce)
+            if not h.process.is_alive():
+                unlink_segments_of(h.pid)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._store = None  # stops its server
+
+    def _stop_processes(self, grace_s: float) -> None:
+        stop_workers(self.workers, grace_s)
+        if self.remote is not None:
+            self.remote.stop(grace_s)

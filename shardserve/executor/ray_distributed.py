@@ -1,6 +1,6 @@
 """RayDistributedExecutor (`ray`): one Ray actor per rank, driven by Ray itself.
 
-    collective_rpc ──actor.call.remote()──▶ every rank ──ObjectRef──▶ _RefsFuture (rank order)
+    collective_rpc ──actor.call.remote()──▶ every rank ──ObjectRef──▶ ReplyFuture (rank order)
     execute_model  ──stash the SchedulerOutput (returns None; Executor's, as every backend)
     sample_tokens  ──(scheduler_output, grammar_output)──▶ execute_step on every rank, either
                      as one actor call per rank, or through a Ray Compiled Graph
@@ -32,12 +32,10 @@ from shardserve.errors import EngineDeadError
 from shardserve.executor import ray_utils
 from shardserve.executor.abstract import Executor
 from shardserve.executor.ray_workers import RayWorkerGroup
+from shardserve.executor.reply_future import POLL_S, Gather, ReplyFuture
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-_POLL_S = 0.1  # longest a waiting caller goes without checking for dead workers
-
 
 def use_compiled_graph(setting: bool | None, world_size: int) -> bool:
     """None (auto): only where cores outnumber workers, since every compiled-graph reader
@@ -47,29 +45,6 @@ def use_compiled_graph(setting: bool | None, world_size: int) -> bool:
     return len(os.sched_getaffinity(0)) > world_size
 
 
-class _LazyFuture(Future):
-    """A Future whose result() does the waiting in the caller's thread (no helper thread)."""
-
-    def __init__(self, fetch: Callable[[float | None], Any], deadline: float | None) -> None:
-        super().__init__()
-        self._fetch = fetch
-        self._deadline = deadline
-        self._lock = threading.Lock()
-
-    def result(self, timeout: float | None = None) -> Any:
-        with self._lock:
-            if not super().done():
-                try:
-                    self.set_result(self._fetch(timeout))
-                except TimeoutError as e:
-                    if self._deadline is None or time.monotonic() < self._deadline:
-                        raise  # only this wait ran out; the call is still running
-                    self.set_exception(e)
-                except BaseException as e:
-                    self.set_exception(e)
-        return super().result(timeout=0)
-
-
 class RayDistributedExecutor(Executor):
     supports_early_forward = False  # steps go out whole (see Executor.supports_early_forward)
     uses_ray = True
@@ -77,7 +52,6 @@ class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.parallel_config
         self.world_size = pc.world_size
-        self._shutdown_lock = threading.Lock()
         self._graph: Any = None
         self._step_failed = False  # since then a rank may be stuck in a collective
         self._graph_failure: ray_utils.RemoteFailure | None = None
@@ -113,49 +87,29 @@ class RayDistributedExecutor(Executor):
         unique_reply_rank: int | None = None,
     ) -> Any:
         self._raise_if_dead()
-        name = method if isinstance(method, str) else getattr(method, "__name__", "callable")
         # Calls from one caller to one actor run in submission order, so futures of later
         # calls cannot complete before earlier ones.
         refs = [a.call.remote(method, args, kwargs or {}) for a in self.actors]
-        return self._future(refs, name, timeout, unique_reply_rank, non_block)
+        return self._future(refs, Gather.of(method, range(len(refs)), timeout, unique_reply_rank),
+                            non_block)
 
-    def _future(
-        self, refs: list[Any], name: str, timeout: float | None, rank: int | None, non_block: bool
-    ) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _future(self, refs: list[Any], gather: Gather, non_block: bool) -> Any:
+        """Every rank's value is awaited (the first failure of any rank raises at once), then
+        the gather's value: all of them in rank order, or its reply rank's."""
+
+        def receive(missing: list[int], slice_s: float) -> None:
+            rank_of = {refs[r]: r for r in missing}
+            ready, _ = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=slice_s)
+            arrived = [self._value(ref, rank_of[ref]) for ref in ready]
+            self._raise_first_failure(arrived, gather.method)
+            gather.results.update(zip((rank_of[ref] for ref in ready), arrived, strict=True))
 
         def fetch(wait_s: float | None) -> Any:
-            values = self._gather(refs, name, deadline, wait_s)
-            return values if rank is None else values[rank]
+            wait_deadline = None if wait_s is None else time.monotonic() + wait_s
+            return gather.wait(receive, wait_deadline, self._raise_if_dead)
 
-        future = _LazyFuture(fetch, deadline)
+        future = ReplyFuture.lazy(fetch, gather.deadline)
         return future if non_block else future.result()
-
-    def _gather(
-        self, refs: list[Any], method: str, deadline: float | None, wait_s: float | None
-    ) -> list[Any]:
-        """Every rank's value, in rank order; the first failure of any rank raises at once."""
-        start = time.monotonic()
-        wait_deadline = None if wait_s is None else start + wait_s
-        rank_of = {ref: r for r, ref in enumerate(refs)}
-        values: dict[int, Any] = {}
-        pending = list(refs)
-        while pending:
-            self._raise_if_dead()
-            end = min((d for d in (deadline, wait_deadline) if d is not None), default=None)
-            now = time.monotonic()
-            if end is not None and now >= end:
-                ranks = sorted(rank_of[r] for r in pending)
-                raise TimeoutError(
-                    f"{method}() got no reply from worker ranks {ranks} within "
-                    f"{now - start:.1f} s (parallel_config.execute_timeout_s bounds model steps)"
-                )
-            slice_s = _POLL_S if end is None else min(_POLL_S, end - now)
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=slice_s)
-            arrived = [self._value(ref, rank_of[ref]) for ref in ready]
-            self._raise_first_failure(arrived, method)
-            values.update(zip((rank_of[ref] for ref in ready), arrived, strict=True))
-        return [values[r] for r in range(len(refs))]
 
     def _value(self, ref: Any, rank: int) -> Any:
         try:
@@ -195,7 +149,8 @@ class RayDistributedExecutor(Executor):
         if self.use_compiled_graph:
             return self._run_graph(inputs, timeout, non_block)
         refs = [a.execute_step.remote(inputs) for a in self.actors]
-        return self._future(refs, "execute_step", timeout, self.output_rank, non_block)
+        gather = Gather.of("execute_step", range(len(refs)), timeout, self.output_rank)
+        return self._future(refs, gather, non_block)
 
     def _run_graph(self, inputs: tuple, timeout: float, non_block: bool) -> Any:
         refs = self._compiled_graph().execute(inputs)
@@ -219,7 +174,7 @@ class RayDistributedExecutor(Executor):
             self._raise_first_failure(values, "execute_step")
             return detach(values[self._graph_output_index()])
 
-        future = _LazyFuture(fetch, deadline)
+        future = ReplyFuture.lazy(fetch, deadline)
         return future if non_block else future.result()
 
     def _compiled_graph(self) -> Any:
@@ -267,7 +222,7 @@ class RayDistributedExecutor(Executor):
         refs = {a.next_failure.remote(): r for r, a in enumerate(self.actors)}
         while not self._shut_down and ray.is_initialized():
             try:
-                ready, _ = ray.wait(list(refs), num_returns=1, timeout=_POLL_S * 2)
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S * 2)
                 if not ready:
                     continue
                 failure = ray.get(ready[0])
@@ -282,22 +237,18 @@ class RayDistributedExecutor(Executor):
             self.group.kill_actors()
             return
 
-    # ---- shutdown ----
-    def shutdown(self) -> None:
-        with self._shutdown_lock:
-            if self._shut_down:
-                return
-            self._shut_down = True
-            self.group.stop_watching()
-            if self._graph is not None:
-                # Teardown waits (30 s) for every rank's graph loop to stop; one stuck in a
-                # collective after a failure never does, so then the actors go first.
-                killed = self._step_failed or self._death is not None
-                if killed:
-                    self.group.kill_actors()
-                _teardown(self._graph, quiet=killed)
-                self._graph = None
-            self.group.stop()
+    # ---- shutdown (Executor.shutdown: once, under its lock) ----
+    def _shutdown(self) -> None:
+        self.group.stop_watching()  # the deaths to come are ours
+        if self._graph is not None:
+            # Teardown waits (30 s) for every rank's graph loop to stop; one stuck in a
+            # collective after a failure never does, so then the actors go first.
+            killed = self._step_failed or self._death is not None
+            if killed:
+                self.group.kill_actors()
+            _teardown(self._graph, quiet=killed)
+            self._graph = None
+        self.group.stop()
 
 
 def _teardown(graph: Any, quiet: bool) -> None:

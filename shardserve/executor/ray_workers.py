@@ -63,8 +63,7 @@ class RayWorkerGroup:
         self._get(
             [
                 actor.init_worker.remote(
-                    p.local_rank(rank), len(p.ranks_on(p.nodes[rank])), init_method,
-                    self.pc.worker_cls,
+                    p.local_rank(rank), len(p.ranks_on(p.nodes[rank])), init_method
                 )
                 for rank, actor in enumerate(self.actors)
             ],

@@ -10,7 +10,6 @@ Re-exported by ray_utils; kept apart only for file size.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from shardserve.config import EngineConfig
 from shardserve.errors import RemoteError
 from shardserve.ipc import Handle, MessageQueueReader, MessageQueueWriter
 from shardserve.messages import GrammarOutput, SchedulerOutput
+from shardserve.worker.build import build_worker
 from shardserve.worker.worker import run_method
 from shardserve.worker.worker_main import ATTACH_TIMEOUT_S, run_busy_loop
 
@@ -80,21 +80,13 @@ class RayWorkerWrapper:
         self._store = TCPStore(ip, 0, None, True, wait_for_workers=False, multi_tenant=True)
         return f"tcp://{ip}:{self._store.port}"
 
-    def init_worker(
-        self, local_rank: int, local_world_size: int, init_method: str | None, worker_cls: str
-    ) -> None:
-        module, _, name = worker_cls.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        self.worker = cls(
-            self.config,
-            rank=self.rank,
-            local_rank=local_rank,
-            distributed_init_method=init_method,
-            local_world_size=local_world_size,
-        )
-        self.worker.init_device()
-        self._set_threads()
-        self.worker.load_model()
+    def init_worker(self, local_rank: int, local_world_size: int, init_method: str | None) -> None:
+        """Build this rank's worker (parallel_config.worker_cls), with the actor's thread count
+        while it loads."""
+        self.worker = build_worker(
+            self.config, self.rank, local_rank, init_method, local_world_size,
+            after_init_device=lambda _: self._set_threads(),
+        )  # fmt: skip
 
     def _set_threads(self) -> None:
         # torch's intra-op setting is per OS thread (OpenMP); the compiled graph calls us from

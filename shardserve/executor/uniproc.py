@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from shardserve.executor.abstract import Executor
+from shardserve.worker.build import build_worker
 from shardserve.worker.worker import Worker, run_method
 
 _thread: ThreadPoolExecutor | None = None
@@ -35,16 +36,11 @@ def worker_thread() -> ThreadPoolExecutor:
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = self._on_worker_thread(self._start_worker)
+        self.worker = self._on_worker_thread(self._build_worker)
 
-    def _start_worker(self) -> Worker:
-        worker = self._make_worker()
-        worker.init_device()
-        worker.load_model()
-        return worker
-
-    def _make_worker(self) -> Worker:
-        return Worker(self.config, rank=0, local_rank=0)
+    def _build_worker(self) -> Worker:
+        """This process's worker (of parallel_config.worker_cls), started: on the worker thread."""
+        return build_worker(self.config)
 
     def _on_worker_thread(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -75,7 +71,5 @@ class UniProcExecutor(Executor):
         future: Future = worker_thread().submit(call)
         return future if non_block else future.result()
 
-    def shutdown(self) -> None:
-        if not self._shut_down:
-            self._shut_down = True
-            self._on_worker_thread(self.worker.shutdown)
+    def _shutdown(self) -> None:  # Executor.shutdown: once, under its lock
+        self._on_worker_thread(self.worker.shutdown)

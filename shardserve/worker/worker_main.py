@@ -12,7 +12,6 @@ Start-up, in order (the executor's side is in executor/worker_process.py):
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import queue
@@ -27,6 +26,7 @@ from shardserve.ipc import Handle, MessageQueue, MessageQueueReader, MessageQueu
 from shardserve.ipc.rpc import SHUTDOWN, RpcReply, RpcRequest
 from shardserve.ipc.segments import unlink_segment
 from shardserve.process_setup import run_on_fresh_thread, setup_process
+from shardserve.worker.build import build_worker
 from shardserve.worker.worker import run_method
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,9 @@ def _serve(args: WorkerProcArgs) -> None:
     worker = response_mq = broadcast = None
     try:
         try:
-            worker = _build_worker(args)
+            worker = build_worker(args.config, args.rank, args.local_rank,
+                                  args.distributed_init_method, args.local_world_size,
+                                  worker_cls=args.worker_cls)
             response_mq = MessageQueueWriter(1, 0 if args.reply_ip else 1,
                                              connect_ip=args.reply_ip, name=f"{args.label}-reply")
             orphans.append(response_mq.export_handle().shm_name)
@@ -112,21 +114,6 @@ def _watch_death_pipe(conn: Connection, orphans: list[str | None]) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="death-pipe", daemon=True).start()
-
-
-def _build_worker(args: WorkerProcArgs) -> Any:
-    module, _, name = args.worker_cls.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    worker = cls(
-        args.config,
-        rank=args.rank,
-        local_rank=args.local_rank,
-        distributed_init_method=args.distributed_init_method,
-        local_world_size=args.local_world_size,
-    )
-    worker.init_device()
-    worker.load_model()
-    return worker
 
 
 def run_busy_loop(worker: Any, rank: int, broadcast: MessageQueueReader,

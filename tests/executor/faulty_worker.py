@@ -1,4 +1,5 @@
-"""Worker subclasses that fail on purpose, for the fault tests (imported by worker processes)."""
+"""Worker subclasses for the tests, named in `worker_cls` (imported by worker processes): ones
+that fail on purpose, for the fault tests, and one with a method of its own."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ class BrokenWeightsWorker(Worker):
             with open(self.config.model_config.path / "rank1-weights.safetensors", "rb"):
                 pass
         super().load_model()
+
+
+class MarkedWorker(Worker):
+    """A subclass with a method the base class lacks: answers only if it is what was built."""
+
+    def worker_class_name(self) -> str:
+        return type(self).__name__
