@@ -29,26 +29,20 @@ from shardserve.engine.replica_set import ReplicaSet
 
 class AsyncMPClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float) -> None:
-        self.set = ReplicaSet(config, start_timeout_s)  # every replica ready
+        self.replica_set = ReplicaSet(config, start_timeout_s)  # every replica ready
+        self.router: ReplicaRouter = self.replica_set.router
+        self.group: EngineCoreGroup = self.replica_set.group
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_exit: Callable[[EngineCoreProcess], None] | None = None
         self._waiting: dict[int, asyncio.Future] = {}  # by call id
         self._scaling: asyncio.Lock | None = None  # created in start(), inside the loop
-
-    @property
-    def router(self) -> ReplicaRouter:
-        return self.set.router
-
-    @property
-    def group(self) -> EngineCoreGroup:
-        return self.set.group
 
     async def start(self, on_exit: Callable[[EngineCoreProcess], None]) -> None:
         """Bind the sockets and watch every process (`on_exit` runs when one ends)."""
         self._loop = asyncio.get_running_loop()
         self._on_exit = on_exit
         self._scaling = asyncio.Lock()
-        self.set.open(zmq.asyncio.Context(), self._watch, self._unwatch)
+        self.replica_set.open(zmq.asyncio.Context(), self._watch, self._unwatch)
 
     def _watch(self, proc: EngineCoreProcess) -> None:
         assert self._loop is not None and self._on_exit is not None
@@ -60,17 +54,17 @@ class AsyncMPClient:
                 self._loop.remove_reader(proc.sentinel)
 
     async def send(self, replica: int, msg: EngineRequest) -> None:
-        await self.set.send(replica, msg)
+        await self.replica_set.send(replica, msg)
 
     async def recv(self) -> EngineOutputs:
-        assert self.set.out is not None
-        return decode(await self.set.out.recv(copy=False))
+        assert self.replica_set.out is not None
+        return decode(await self.replica_set.out.recv(copy=False))
 
     # ---- utility calls ----
     async def call(self, method: str, *args: Any, replicas: list[int] | None = None
                    ) -> list[Any]:
         future = asyncio.get_running_loop().create_future()
-        call = self.set.begin_call(method, args, replicas, on_done=lambda: _resolve(future))
+        call = self.replica_set.begin_call(method, args, replicas, on_done=lambda: _resolve(future))
         self._waiting[call.call_id] = future
         try:
             for replica in call.targets:
@@ -78,13 +72,13 @@ class AsyncMPClient:
             if not call.done:
                 await future
         finally:
-            self.set.end_call(call)
+            self.replica_set.end_call(call)
             del self._waiting[call.call_id]
         return call.result()
 
     def on_utility(self, msg: EngineOutputs) -> None:
         """An answer to a call (from the outputs loop)."""
-        self.set.on_utility(msg)
+        self.replica_set.on_utility(msg)
 
     def fail_calls(self, error: BaseException) -> None:
         for future in self._waiting.values():
@@ -94,13 +88,14 @@ class AsyncMPClient:
     # ---- re-scaling ----
     async def scale(self, data_parallel_size: int) -> list[int]:
         """Serve with `data_parallel_size` replicas; returns the serving indices."""
-        check_new_size(self.set.config.parallel_config, data_parallel_size)  # not after a wait
+        # A bad size is refused at once, not after a re-scale in progress.
+        check_new_size(self.replica_set.config.parallel_config, data_parallel_size)
         assert self._scaling is not None
         async with self._scaling:  # one re-scale at a time: each plans from the last one's end
-            plan = self.set.plan_scale(data_parallel_size)
+            plan = self.replica_set.plan_scale(data_parallel_size)
             if plan.new:
-                await asyncio.to_thread(self.set.start_replicas, plan)
-                self.set.add_started(plan)
+                await asyncio.to_thread(self.replica_set.start_replicas, plan)
+                self.replica_set.add_started(plan)
             await self.retire_drained()
             await self.call("collective_rpc", *plan.resize_args, replicas=plan.kept)
             return self.router.serving
@@ -108,30 +103,30 @@ class AsyncMPClient:
     async def retire_drained(self) -> list[int]:
         """Stop draining replicas that run nothing any more; returns their indices. (The
         outputs loop and a scale-down may both call it: each replica is taken once.)"""
-        retired = self.set.take_drained()
+        retired = self.replica_set.take_drained()
         for i in retired:
             with contextlib.suppress(zmq.ZMQError):
-                await self.set.send(i, SHUTDOWN, zmq.NOBLOCK)
+                await self.replica_set.send(i, SHUTDOWN, zmq.NOBLOCK)
             await asyncio.to_thread(self.group.stop_one, i)
-            self.set.forget(i)
+            self.replica_set.forget(i)
         return retired
 
     # ---- shutdown ----
     async def stop(self) -> None:
         """Tell every replica to shut down, stop the processes, close the sockets."""
-        for i in self.set.stop_watching():
+        for i in self.replica_set.stop_watching():
             with contextlib.suppress(zmq.ZMQError):
-                await self.set.send(i, SHUTDOWN, zmq.NOBLOCK)
+                await self.replica_set.send(i, SHUTDOWN, zmq.NOBLOCK)
         await asyncio.to_thread(self.group.stop)
-        self.set.close()
+        self.replica_set.close()
 
     def stop_sync(self) -> None:
         """Outside the loop (start-up failed or was interrupted)."""
         self.group.stop()
-        self.set.close()
+        self.replica_set.close()
 
     def close_sockets(self) -> None:
-        self.set.close()
+        self.replica_set.close()
 
 
 def _resolve(future: asyncio.Future) -> None:

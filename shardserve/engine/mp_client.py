@@ -46,21 +46,15 @@ class MPClient(EngineCoreClient):
         self._buffered: list[EngineOutputs] = []  # step outputs that came during a call()
         self._sentinels: dict[int, EngineCoreProcess] = {}
         self.poller = zmq.Poller()
-        self.replicas = ReplicaSet(config, start_timeout_s)  # every replica ready
+        self.replica_set = ReplicaSet(config, start_timeout_s)  # every replica ready
+        self.router: ReplicaRouter = self.replica_set.router
+        self.group: EngineCoreGroup = self.replica_set.group
         try:
-            self.replicas.open(zmq.Context(), self._watch, self._unwatch)
-            self.poller.register(self.replicas.out, zmq.POLLIN)
+            self.replica_set.open(zmq.Context(), self._watch, self._unwatch)
+            self.poller.register(self.replica_set.out, zmq.POLLIN)
         except BaseException:
             self.shutdown()
             raise
-
-    @property
-    def router(self) -> ReplicaRouter:
-        return self.replicas.router
-
-    @property
-    def group(self) -> EngineCoreGroup:
-        return self.replicas.group
 
     @property
     def num_replicas(self) -> int:
@@ -75,7 +69,7 @@ class MPClient(EngineCoreClient):
             self.poller.unregister(proc.sentinel)
 
     def _send(self, replica: int, msg: EngineRequest) -> None:
-        self.replicas.send(replica, msg)
+        self.replica_set.send(replica, msg)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -110,8 +104,8 @@ class MPClient(EngineCoreClient):
             for fd, proc in list(self._sentinels.items()):
                 if fd in events:
                     self._die(describe_exit(proc))
-            if self.replicas.out in events:
-                return decode(self.replicas.out.recv(copy=False))
+            if self.replica_set.out in events:
+                return decode(self.replica_set.out.recv(copy=False))
 
     def _handle(self, msg: EngineOutputs) -> list[EngineCoreOutput]:
         self.router.on_stats(msg.engine_index, msg.stats)
@@ -134,7 +128,7 @@ class MPClient(EngineCoreClient):
 
     def call(self, method: str, *args: Any, replicas: list[int] | None = None) -> list[Any]:
         self._check_alive()
-        call = self.replicas.begin_call(method, args, replicas)
+        call = self.replica_set.begin_call(method, args, replicas)
         try:
             for replica in call.targets:
                 self._send(replica, call.request)
@@ -144,34 +138,34 @@ class MPClient(EngineCoreClient):
                     self._buffered.append(msg)  # for get_output, in order
                     continue
                 self.router.on_stats(msg.engine_index, msg.stats)
-                self.replicas.on_utility(msg)
+                self.replica_set.on_utility(msg)
         finally:
-            self.replicas.end_call(call)
+            self.replica_set.end_call(call)
         return call.result()
 
     def scale(self, data_parallel_size: int) -> EngineCoreClient:
         self._check_alive()
-        plan = self.replicas.plan_scale(data_parallel_size)
+        plan = self.replica_set.plan_scale(data_parallel_size)
         if plan.new:
-            self.replicas.start_replicas(plan)
-            self.replicas.add_started(plan)
+            self.replica_set.start_replicas(plan)
+            self.replica_set.add_started(plan)
         self._retire_drained()
         self.call("collective_rpc", *plan.resize_args, replicas=plan.kept)
         return self
 
     def _retire_drained(self) -> None:
-        for i in self.replicas.take_drained():
+        for i in self.replica_set.take_drained():
             with contextlib.suppress(zmq.ZMQError):
-                self.replicas.send(i, SHUTDOWN, zmq.NOBLOCK)
+                self.replica_set.send(i, SHUTDOWN, zmq.NOBLOCK)
             self.group.stop_one(i)
-            self.replicas.forget(i)
+            self.replica_set.forget(i)
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for i in self.replicas.stop_watching():
+        for i in self.replica_set.stop_watching():
             with contextlib.suppress(zmq.ZMQError):
-                self.replicas.send(i, SHUTDOWN, zmq.NOBLOCK)
+                self.replica_set.send(i, SHUTDOWN, zmq.NOBLOCK)
         self.group.stop()
-        self.replicas.close()
+        self.replica_set.close()
