@@ -152,7 +152,7 @@ OWNERS: dict[str, type] = {
     "observability_config": ObservabilityConfig,
 }
 NOT_OPTIONS = {ModelConfig: {"model", "device", "path", "arch", "tokenizer_path"},
-                ParallelConfig: {"ray", "multinode"}}
+                ParallelConfig: {"ray", "multinode"}, MultiNodeConfig: {"cluster_secret"}}
 
 
 def option_names(cls: type) -> set[str]:

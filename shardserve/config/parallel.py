@@ -70,6 +70,9 @@ class MultiNodeConfig:
     master_port: int = 29555
     """Node 0's port for the multi-node handshake of replica 0 (replica i: master_port + i),
     authenticated by SHARDSERVE_CLUSTER_SECRET."""
+    cluster_secret: str | None = field(default=None, repr=False, compare=False)
+    """Not an option (SHARDSERVE_CLUSTER_SECRET is the user's way to give it): the secret node 0
+    resolved, carried to its engine cores (executor/multinode/secret.py)."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.nnodes, int) and self.nnodes >= 1,

@@ -31,7 +31,7 @@ from typing import Any
 from shardserve.config import EngineConfig
 from shardserve.engine.core_proc import EngineCoreArgs, run_engine_core
 from shardserve.engine.core_wire import EngineAddresses
-from shardserve.executor.node_link import ensure_cluster_secret
+from shardserve.executor.multinode.secret import with_cluster_secret
 from shardserve.executor.start_method import check_spawn_can_import_main, choose_start_method
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class EngineCoreGroup:
         self.ray_address: str | None = None
         try:
             if config.parallel_config.multinode.nnodes > 1:  # before the cores start: they share it
-                ensure_cluster_secret(config)
+                config = with_cluster_secret(config)
             if config.parallel_config.data_parallel_backend == "ray":
                 self._join_ray(config)
             self.start(config, range(config.parallel_config.data_parallel_size),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from shardserve import envs
 from shardserve.ipc import serialization as ser
 from shardserve.ipc import wakeup
 from shardserve.ipc.errors import PeerGone
+from shardserve.ipc.host_address import reachable_ip
 from shardserve.ipc.message_queue import Handle, MessageQueue, deadline_of
 from shardserve.ipc.shm_ring import ShmRing
 from shardserve.ipc.waiting import BoundedWait
@@ -46,7 +46,7 @@ class MessageQueueWriter(MessageQueue):
                 self._ring = ShmRing.create(n_local_reader, max_chunk_bytes, max_chunks)
                 self._local_pub = Publisher("ipc", name=self.name, n_reader=n_local_reader)
             if n_reader > n_local_reader:
-                self._remote_pub = Publisher("tcp", connect_ip or envs.host_ip() or _host_ip(),
+                self._remote_pub = Publisher("tcp", connect_ip or reachable_ip(),
                                              name=self.name, n_reader=n_reader)
         except BaseException:
             self._release()
@@ -189,13 +189,3 @@ def _check_geometry(n_reader: int, n_local_reader: int, max_chunk_bytes: int,
                          f"({n_reader}) and n_reader >= 1")
     if max_chunk_bytes < 64 or max_chunks < 1:
         raise ValueError("max_chunk_bytes must be >= 64 and max_chunks >= 1")
-
-
-def _host_ip() -> str:
-    """An address of this host that other hosts can likely reach (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"

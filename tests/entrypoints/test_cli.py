@@ -192,7 +192,9 @@ def test_every_engine_init_field_is_a_flag():
         for f in dataclasses.fields(cls):
             if not f.init or f.name in ("model", "device") and cls.__name__ == "ModelConfig":
                 continue
-            if f.name == "data_parallel_rank":  # set by the front end on each replica's copy
+            # Set by the front end: each replica's index on its copy; the resolved secret
+            # (SHARDSERVE_CLUSTER_SECRET gives it: not a flag, which `ps` would show).
+            if f.name in ("data_parallel_rank", "cluster_secret"):
                 continue
             name = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
             assert name in flags, (cls.__name__, f.name)

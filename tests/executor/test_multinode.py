@@ -1,12 +1,14 @@
 """Multi-node mp on loopback: node 0 is this test process (LLM with nnodes=2), node 1 is
 `shardserve serve --headless` in a process tree of its own. Outputs equal HF (PP=2) and uni
 (TP=2, TP=2 x PP=2); the cross-node hops really take the TCP / gloo paths; killing either side
-is noticed in time and leaves nothing behind; strangers on the ports get nothing."""
+is noticed in time and leaves nothing behind; strangers on the ports get nothing; node 0
+without a secret makes one, prints it in the command that joins, and writes no environment."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import socket
@@ -24,6 +26,12 @@ import pytest
 import zmq
 
 from shardserve import LLM, EngineDeadError, SamplingParams
+from shardserve.engine.config_builder import engine_config_from_kwargs
+from shardserve.executor.multinode.secret import (
+    cluster_secret,
+    headless_secret,
+    with_cluster_secret,
+)
 from tests.conftest import our_segments
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
@@ -428,3 +436,78 @@ def test_headless_node_with_two_links_stops_on_sigterm(four_layer_model, cluster
     code, out = node1.finish(timeout=30)
     assert code == 0 and "terminated" in out, out
     assert time.monotonic() - t0 < 10
+
+
+def test_node_0_without_a_secret_makes_one_and_writes_no_environment(four_layer_model,
+                                                                      monkeypatch, capsys):
+    monkeypatch.delenv("SHARDSERVE_CLUSTER_SECRET", raising=False)
+    config = engine_config_from_kwargs(str(four_layer_model), tensor_parallel_size=2, nnodes=2)
+    carried = with_cluster_secret(config)
+    secret = carried.parallel_config.multinode.cluster_secret
+    err = capsys.readouterr().err
+    assert secret and f"SHARDSERVE_CLUSTER_SECRET={secret} shardserve serve" in err, err
+    assert "--headless --nnodes 2 --node-rank 1" in err, err
+    assert "SHARDSERVE_CLUSTER_SECRET" not in os.environ
+    assert secret not in repr(carried) and carried == config
+    # Resolved once: the engine cores it reaches take the config's, printing nothing.
+    assert with_cluster_secret(carried) is carried and cluster_secret(carried) == secret
+    assert headless_secret(carried.parallel_config) == secret
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="SHARDSERVE_CLUSTER_SECRET is not set"):
+        headless_secret(config.parallel_config)
+    monkeypatch.setenv("SHARDSERVE_CLUSTER_SECRET", SECRET)  # the user's wins, unprinted
+    assert cluster_secret(config) == SECRET and capsys.readouterr().err == ""
+
+
+NODE0_ONCE = textwrap.dedent("""
+    import os, sys
+    from shardserve import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, tensor_parallel_size=2,
+                  nnodes=2, master_port=int(sys.argv[2]))
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        out = llm.generate(["hello world"], params, use_tqdm=False)
+        print("DONE", len(out[0].outputs[0].token_ids),
+              "SHARDSERVE_CLUSTER_SECRET" in os.environ, flush=True)
+        llm.shutdown()
+""")
+
+
+def _line_with(proc: subprocess.Popen, text: str, timeout: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            if text in line or not line:
+                return line
+    return ""
+
+
+def test_a_headless_node_joins_with_the_secret_node_0_printed(four_layer_model, cluster_env,
+                                                              tmp_path):
+    env = {k: v for k, v in cluster_env.items() if k != "SHARDSERVE_CLUSTER_SECRET"}
+    port = free_port()
+    script = tmp_path / "node0.py"
+    script.write_text(NODE0_ONCE)
+    node0 = subprocess.Popen([sys.executable, str(script), str(four_layer_model), str(port)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    node1 = None
+    try:
+        line = _line_with(node0, "SHARDSERVE_CLUSTER_SECRET=", 60)
+        found = re.search(r"SHARDSERVE_CLUSTER_SECRET=(\S+) shardserve serve", line)
+        assert found, line
+        node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
+                         "--max-model-len", "128",
+                         env={**env, "SHARDSERVE_CLUSTER_SECRET": found[1]})
+        done = _line_with(node0, "DONE", 120)
+        assert done.split() == ["DONE", "8", "False"], done  # generated; no environment set
+        assert node0.wait(timeout=60) == 0
+        code, out = node1.finish()
+        assert code == 0, out
+    finally:
+        for proc in (node0, *([node1.proc] if node1 else [])):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -2,9 +2,9 @@
 
     `shardserve serve MODEL --headless --nnodes N --node-rank R --master-addr A --master-port P`
 
-    1. connect to node 0 (node_link.py: CURVE keys from SHARDSERVE_CLUSTER_SECRET) and say
-       hello once a second until node 0 answers with NodeStart (bounded by
-       worker_start_timeout_s, so a node started long before node 0 does not wait for ever);
+    1. connect to node 0 (CURVE keys from the cluster secret, secret.py) and say hello once a
+       second until node 0 answers with NodeStart (bounded by worker_start_timeout_s, so a node
+       started long before node 0 does not wait for ever);
     2. start this node's ranks (worker_process.start_workers: the same worker processes as on
        node 0, replying over TCP) and report NodeReady with their reply-queue handles;
     3. watch: heartbeats both ways; a worker that dies is reported (NodeFailed) and ends us;
@@ -13,6 +13,7 @@
 With data parallelism, one such link per replica that has ranks here (node 0 runs every
 engine core; replica i's listens on master_port + i). Every way out stops the workers (staged:
 wait, SIGTERM, SIGKILL); killed outright, the workers notice by their death pipe and exit.
+messages.py has the exchange.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shardserve.config import ParallelConfig
 from shardserve.errors import WorkerStartupError
-from shardserve.executor.node_link import (
+from shardserve.executor.multinode.messages import (
     HEARTBEAT_S,
     MASTER_SILENT_S,
     Heartbeat,
@@ -38,22 +39,20 @@ from shardserve.executor.node_link import (
     NodeReady,
     NodeStart,
     NodeStop,
-    client_socket,
-    link_port,
-    route_ip,
-    send,
 )
+from shardserve.executor.multinode.secret import headless_secret, link_keys
+from shardserve.executor.multinode.sockets import POLL_MS, client_socket, link_port, send
 from shardserve.executor.worker_process import (
     WorkerHandle,
     start_workers,
     stop_workers,
     take_ready_message,
 )
+from shardserve.ipc.host_address import reachable_ip
 from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 100
 _STOP_GRACE_S = 2.0
 
 
@@ -64,9 +63,10 @@ def run_headless(pc: ParallelConfig) -> int:
         raise ValueError(f"--headless runs a node other than node 0: give --nnodes >= 2 and "
                          f"--node-rank in 1..nnodes-1 (got nnodes={pc.multinode.nnodes}, "
                          f"node_rank={pc.multinode.node_rank})")
+    secret = headless_secret(pc)
     replicas = [i for i in range(pc.data_parallel_size)
                 if pc.layout.ranks_on_node(pc.multinode.node_rank, i)]
-    nodes = [HeadlessNode(pc, i) for i in replicas]
+    nodes = [HeadlessNode(pc, i, secret) for i in replicas]
     logger.info("node %d: waiting for node 0 at %s:%d (replicas %s)", pc.multinode.node_rank,
                 pc.multinode.master_addr, pc.multinode.master_port, replicas)
     if len(nodes) == 1:
@@ -89,13 +89,15 @@ def run_headless(pc: ParallelConfig) -> int:
 
 
 class HeadlessNode:
-    """This node's share of one replica's ranks, and the link to that replica's engine core."""
+    """This node's share of one replica's ranks, and the link to that replica's engine core,
+    keyed by the cluster `secret`."""
 
-    def __init__(self, pc: ParallelConfig, replica: int = 0) -> None:
+    def __init__(self, pc: ParallelConfig, replica: int, secret: str) -> None:
         self.pc = pc
         self.replica = replica
-        self.ip = route_ip(pc.multinode.master_addr, pc.multinode.master_port)
-        self.sock = client_socket(pc, replica)
+        # Where node 0 can reach this node's reply queues: our end of the route to it.
+        self.ip = reachable_ip((pc.multinode.master_addr, pc.multinode.master_port))
+        self.sock = client_socket(pc, replica, link_keys(secret))
         self.workers: list[WorkerHandle] = []
         self.stopping = threading.Event()  # set from another thread: stop now (status 1)
         self._last_heard = time.monotonic()
@@ -153,7 +155,7 @@ class HeadlessNode:
         return None
 
     def _poll(self) -> object | None:
-        if not self.sock.poll(_POLL_MS):
+        if not self.sock.poll(POLL_MS):
             return None
         # Only node 0, which proved the cluster's key in the CURVE handshake, can reach us.
         msg = pickle.loads(self.sock.recv())
@@ -167,24 +169,8 @@ class HeadlessNode:
         while not self.stopping.is_set():
             msg = self._poll()
             if isinstance(msg, NodeStop):
-                logger.info("node %d: node 0 asked us to stop (%s)", self.pc.multinode.node_rank,
-                            msg.reason)
-                stop_workers(self.workers, _STOP_GRACE_S)
-                send(self.sock, NodeBye())
-                return 0
-            now = time.monotonic()
-            if now >= self._next_beat:
-                send(self.sock, Heartbeat())
-                self._next_beat = now + HEARTBEAT_S
-            if self._monitor.poll(0):
-                recv_monitor_message(self._monitor)
-                self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
-            if now - self._last_heard > self._silent_limit:
-                logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this "
-                             "node's workers", self.pc.multinode.master_addr,
-                             self.pc.multinode.master_port,
-                             now - self._last_heard, ", its connection closed"
-                             if self._silent_limit < MASTER_SILENT_S else "")
+                return self._stop_as_asked(msg)
+            if self._node_0_gone(time.monotonic()):
                 return 1
             if pending:
                 pending = self._collect_ready(pending)
@@ -195,6 +181,30 @@ class HeadlessNode:
                              f"({dead.describe_exit()})")
                 return 1
         return 1  # told to stop from another thread (SIGTERM, Ctrl-C)
+
+    def _stop_as_asked(self, msg: NodeStop) -> int:
+        logger.info("node %d: node 0 asked us to stop (%s)", self.pc.multinode.node_rank,
+                    msg.reason)
+        stop_workers(self.workers, _STOP_GRACE_S)
+        send(self.sock, NodeBye())  # after the workers: node 0 waits for it to close the link
+        return 0
+
+    def _node_0_gone(self, now: float) -> bool:
+        """Send our heartbeat when due; is node 0 silent past its limit (which a closed
+        connection shortens)?"""
+        if now >= self._next_beat:
+            send(self.sock, Heartbeat())
+            self._next_beat = now + HEARTBEAT_S
+        if self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+            self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
+        if now - self._last_heard <= self._silent_limit:
+            return False
+        logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this node's "
+                     "workers", self.pc.multinode.master_addr, self.pc.multinode.master_port,
+                     now - self._last_heard, ", its connection closed"
+                     if self._silent_limit < MASTER_SILENT_S else "")
+        return True
 
     def _failed_worker(self) -> WorkerHandle | None:
         """A worker that exited other than by the engine's shutdown request (exit code 0: the
