@@ -27,7 +27,7 @@ lint: $(STAMP)
 # So each Ray test file runs in an interpreter of its own, and nothing else shares that state.
 RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
 	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
-	tests/executor/test_ray_utils.py tests/executor/test_ray_dp.py
+	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=15 tests $(addprefix --ignore=,$(RAY_TESTS))

@@ -150,7 +150,7 @@ class EngineCoreGroup:
         joins it by address and creates its own placement group."""
         import ray
 
-        from shardserve.executor.ray_utils import connect_ray
+        from shardserve.executor.ray.cluster import connect_ray
 
         self._ray = connect_ray(config.parallel_config)
         self.ray_address = ray.get_runtime_context().gcs_address
@@ -201,7 +201,7 @@ class EngineCoreGroup:
         self._finalizer()
         atexit.unregister(self._finalizer)
         if self._ray is not None:
-            from shardserve.executor.ray_utils import disconnect_ray
+            from shardserve.executor.ray.cluster import disconnect_ray
 
             disconnect_ray(self._ray)
             self._ray = None

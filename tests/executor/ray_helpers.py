@@ -15,7 +15,7 @@ import psutil
 import ray
 from ray.util.placement_group import placement_group_table
 
-from shardserve.executor import ray_utils
+from shardserve.executor.ray import cluster
 
 # No token file in ~/.ray, no usage report; RAY_TMPDIR is set to the temporary directory.
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -55,14 +55,14 @@ def ray_session(**init_kwargs) -> Iterator[None]:
     with ray_env() as tmp:
         ray.init(include_dashboard=False, _temp_dir=tmp, **init_kwargs)
         restore_faulthandler()
-        raylets = ray_utils._raylet_pids()
+        raylets = cluster.raylet_pids()
         try:
             yield
         finally:
             ray.shutdown()
             assert_no_ray_processes()
             for pid in raylets:  # what disconnect_ray does for a Ray the executor started
-                ray_utils._remove_raylet_semaphores(pid)
+                cluster.remove_raylet_semaphores(pid)
 
 
 def restore_faulthandler() -> None:

@@ -97,7 +97,7 @@ def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, path
 
 
 def test_unsatisfiable_placement_group_fails_in_time(ray_cluster, tiny_llama_dir):
-    from shardserve.executor.ray_utils import RayPlacementError
+    from shardserve.executor.ray.placement import RayPlacementError
 
     before = our_segments()
     t0 = time.monotonic()
@@ -177,7 +177,7 @@ def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from shardserve.config import ParallelConfig, RayConfig
-    from shardserve.executor import ray_utils
+    from shardserve.executor.ray import placement as ray_placement
 
     group = placement_group([{"CPU": 1}] * 2, name="callers-group")
     try:
@@ -186,10 +186,10 @@ def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
             distributed_executor_backend="ray",
             ray=RayConfig(ray_placement_group="callers-group"),
         )
-        placement = ray_utils.place_ranks(pc, "cpu")
+        placement = ray_placement.place_ranks(pc, "cpu")
         assert placement.group.id == group.id and not placement.created_here
         assert placement.bundles == [0, 1] and placement.cpus == [1.0, 1.0]
-        ray_utils.remove_placement(placement)  # not ours: kept
+        ray_placement.remove_placement(placement)  # not ours: kept
         assert ray.util.placement_group_table(group)["state"] == "CREATED"
     finally:
         remove_placement_group(group)

@@ -1,13 +1,13 @@
 """RayExecutorV2 (`ray_v2`): Ray places and supervises the workers; shardserve moves the data.
 
-    RayWorkerGroup (ray_workers.py): placement group, one actor per rank, init_worker
+    RayWorkerGroup (worker_group.py): placement group, one actor per rank, init_worker
     collective_rpc ──RpcRequest──▶ broadcast MessageQueue ──▶ actor.run(): run_busy_loop
                                    ranks on the driver's node: shared memory (0..n_local-1)
                                    ranks on other nodes: TCP
     QueueRpc       ◀──RpcReply─── one reply MessageQueue per rank (shm or TCP, likewise)
 
-The queues, the RPC bookkeeping and the close order are the mp backend's (queue_rpc.py); Ray only
-hosts the processes. Each actor's run() call lasts as long as its busy loop, so its ref
+The queues, the RPC bookkeeping and the close order are the mp backend's (executor/queue_rpc.py);
+Ray only hosts the processes. Each actor's run() call lasts as long as its busy loop, so its ref
 finishing is the death signal.
 """
 
@@ -20,7 +20,7 @@ import ray
 
 from shardserve.executor.abstract import Executor
 from shardserve.executor.queue_rpc import QueueRpc, WorkerHooks
-from shardserve.executor.ray_workers import RayWorkerGroup
+from shardserve.executor.ray.worker_group import RayWorkerGroup
 
 logger = logging.getLogger(__name__)
 

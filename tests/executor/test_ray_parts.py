@@ -1,4 +1,5 @@
-"""ray_utils pieces without a cluster, and an engine that starts (and stops) its own Ray."""
+"""The Ray package's parts without a cluster (actor names and environment, bundles, the
+compiled-graph choice, detach), and an engine that starts (and stops) its own Ray."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from ray_helpers import assert_no_ray_processes, our_segments, ray_env  # noqa: 
 
 from shardserve import LLM, SamplingParams  # noqa: E402
 from shardserve.config import ParallelConfig, RayConfig  # noqa: E402
-from shardserve.executor import ray_utils  # noqa: E402
-from shardserve.executor.ray_distributed import detach, use_compiled_graph  # noqa: E402
+from shardserve.executor.ray.compiled_graph import detach, use_compiled_graph  # noqa: E402
+from shardserve.executor.ray.placement import bundle_specs  # noqa: E402
+from shardserve.executor.ray.worker_group import actor_name, worker_env  # noqa: E402
 from shardserve.messages import ModelRunnerOutput  # noqa: E402
 
 
 def test_actor_names_are_predictable():
     pc = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
-    assert ray_utils.actor_name("ab12", 1, pc) == "shardserve_ab12_TP1"
+    assert actor_name("ab12", 1, pc) == "shardserve_ab12_TP1"
 
 
 def test_worker_env_propagates_knobs_not_per_worker_vars(monkeypatch):
@@ -28,7 +30,7 @@ def test_worker_env_propagates_knobs_not_per_worker_vars(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("SHARDSERVE_HOST_IP", "10.0.0.1")
-    env = ray_utils.worker_env(threads=3)
+    env = worker_env(threads=3)
     assert env["SHARDSERVE_LOG_LEVEL"] == "DEBUG" and env["HF_HUB_OFFLINE"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in env and "SHARDSERVE_HOST_IP" not in env
     assert env["OMP_NUM_THREADS"] == "3"
@@ -41,8 +43,8 @@ def test_bundles_and_config_validation():
         ray=RayConfig(ray_cpus_per_worker=0.5,
                       ray_bundle_resources='{"slot": 1}'),  # as given on the command line
     )
-    assert ray_utils.bundle_specs(pc, "cpu") == [{"CPU": 0.5, "slot": 1}] * 2
-    assert ray_utils.bundle_specs(pc, "cuda")[0]["GPU"] == 1.0
+    assert bundle_specs(pc, "cpu") == [{"CPU": 0.5, "slot": 1}] * 2
+    assert bundle_specs(pc, "cuda")[0]["GPU"] == 1.0
     with pytest.raises(ValueError, match="ray_placement_strategy"):
         RayConfig(ray_placement_strategy="CLOSE")
     with pytest.raises(ValueError, match="ray_bundle_resources"):

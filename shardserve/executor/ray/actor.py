@@ -1,10 +1,10 @@
 """RayWorkerWrapper: the Ray actor class hosting one rank's Worker (both Ray backends).
 
-    RayWorkerGroup ──init_worker──▶ Worker.init_device, load_model
+    RayWorkerGroup ──init_worker──▶ build_worker (worker_cls: init_device, load_model)
     ray:    actor.call() / execute_step() (actor calls or compiled-graph nodes)
     ray_v2: open_reply_queue(), then run(): worker_main.run_busy_loop over MessageQueues
 
-Re-exported by ray_utils; kept apart only for file size.
+Runs inside the actor's process: it imports nothing of the executor, only the worker layer.
 """
 
 from __future__ import annotations

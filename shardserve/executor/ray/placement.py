@@ -1,18 +1,13 @@
-"""Ray plumbing shared by both Ray backends: cluster, placement, naming, environment.
+"""Where the ranks run: a placement group (the caller's, or one made here and removed at
+shutdown) with one bundle per rank, ordered driver node first, so that the driver node's ranks
+are 0..n-1 and read the broadcast queue through shared memory (ray_v2).
 
-    connect_ray ──▶ place_ranks (placement group, bundles ordered driver node first)
-                    ──▶ RayWorkerGroup (ray_workers.py): one RayWorkerWrapper actor per rank
-
-The actor class, RayWorkerWrapper, lives in ray_wrapper.py and is re-exported here. Only the
-Ray backends import this module; shardserve itself imports without Ray.
+    place_ranks ─▶ Placement (bundle, node, CPUs and GPUs of every rank) ─▶ remove_placement
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -27,80 +22,14 @@ from ray.util.placement_group import (
 )
 
 from shardserve.config import ParallelConfig
-from shardserve.executor.ray_wrapper import RayWorkerWrapper, RemoteFailure, remote_worker_class
-from shardserve.ipc.wakeup import process_alive
 
 logger = logging.getLogger(__name__)
-
-# Set per worker by Ray or by the executor, never copied from the driver.
-WORKER_SPECIFIC_ENV = frozenset(
-    {"CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SHARDSERVE_HOST_IP"}
-)
-# Driver variables the workers need (debug knobs, model hub and tokenizer settings).
-PROPAGATED_ENV_PREFIXES = ("SHARDSERVE_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_")
 
 
 class RayPlacementError(RuntimeError):
     """The placement group could not be scheduled (or does not fit the ranks)."""
 
 
-# ---- cluster ----------------------------------------------------------------------------------
-@dataclass
-class RayConnection:
-    """What connect_ray did, so that disconnect_ray undoes exactly that and no more."""
-
-    initialized_here: bool  # we called ray.init (so we call ray.shutdown)
-    started_local: bool  # ... and that started a local Ray (stopped by ray.shutdown)
-
-
-def connect_ray(pc: ParallelConfig) -> RayConnection:
-    """Join the configured cluster, keep an already-initialised Ray, or start a local one."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return RayConnection(initialized_here=False, started_local=False)
-    address = pc.ray.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return RayConnection(initialized_here=True, started_local=False)
-    # "local" always starts a new instance instead of joining one found on this machine, so
-    # stopping it at shutdown cannot take down a cluster somebody else started.
-    ray.init(address="local", include_dashboard=False)
-    logger.info("started a local Ray instance (stopped at shutdown)")
-    return RayConnection(initialized_here=True, started_local=True)
-
-
-def disconnect_ray(conn: RayConnection | None) -> None:
-    if conn is not None and conn.initialized_here and ray.is_initialized():
-        raylets = _raylet_pids() if conn.started_local else []
-        ray.shutdown()
-        for pid in raylets:
-            _remove_raylet_semaphores(pid)
-
-
-def _raylet_pids() -> list[int]:
-    """The pids of the raylets of the Ray this process started (empty if unknown)."""
-    try:
-        node = ray._private.worker._global_node
-        return [p.process.pid for p in node.all_processes.get("raylet", [])]
-    except Exception:  # a private API: never let it break a shutdown
-        return []
-
-
-def _remove_raylet_semaphores(pid: int) -> None:
-    """Ray's raylet names a compiled graph's channel semaphores sem.obj<pid>-* / sem.hdr<pid>-*
-    in /dev/shm and leaves those of actor-to-actor channels (pipeline stages) behind when it
-    stops. Once the raylet of a Ray we started has exited nobody can use them: remove them."""
-    deadline = time.monotonic() + 2.0  # ray.shutdown() has signalled it; it exits at once
-    while process_alive(pid, 0) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if process_alive(pid, 0):
-        return
-    for path in glob.glob(f"/dev/shm/sem.obj{pid}-*") + glob.glob(f"/dev/shm/sem.hdr{pid}-*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-# ---- placement --------------------------------------------------------------------------------
 @dataclass
 class Placement:
     """Where each rank runs: rank r uses bundle `bundles[r]` on node `nodes[r]`."""
@@ -245,59 +174,3 @@ def remove_placement(placement: Placement | None) -> None:
             remove_placement_group(placement.group)
         except Exception as e:  # Ray already gone: nothing is left to remove
             logger.warning("could not remove the placement group: %s", e)
-
-
-# ---- naming and environment -------------------------------------------------------------------
-def actor_name(instance_id: str, rank: int, pc: ParallelConfig) -> str:
-    """`shardserve_<instance>_TP<r>[_PP<s>]`: predictable, unique per engine instance."""
-    where = pc.layout.coords(rank)
-    name = f"shardserve_{instance_id}_TP{where.tp}"
-    if pc.pipeline_parallel_size > 1:
-        name += f"_PP{where.pp}"
-    return name
-
-
-def worker_env(threads: int) -> dict[str, str]:
-    """Environment for a worker actor: the driver's relevant variables, minus per-worker ones,
-    plus the thread count (set before torch is imported, so every thread of the actor,
-    including the compiled graph's, starts with it)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k.startswith(PROPAGATED_ENV_PREFIXES) and k not in WORKER_SPECIFIC_ENV
-    }
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def threads_for(cpus: float) -> int:
-    """Torch threads for a rank: the CPUs its bundle reserved (Ray's own OMP convention)."""
-    return max(1, int(cpus))
-
-
-def describe_death(error: BaseException) -> str:
-    """Why an actor died, from Ray's error (which reads 'The actor is dead because ...')."""
-    for line in str(error).splitlines():
-        if "because" in line:
-            return line.strip().rstrip(".")
-    return type(error).__name__
-
-
-__all__ = [
-    "Placement",
-    "RayConnection",
-    "RayPlacementError",
-    "RayWorkerWrapper",
-    "RemoteFailure",
-    "actor_name",
-    "bundle_specs",
-    "connect_ray",
-    "describe_death",
-    "describe_unplaceable",
-    "disconnect_ray",
-    "place_ranks",
-    "remote_worker_class",
-    "remove_placement",
-    "threads_for",
-    "worker_env",
-]

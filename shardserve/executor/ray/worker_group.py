@@ -7,12 +7,14 @@
     stop():  stop watching ─▶ ray.kill every actor and wait until they are gone ─▶ remove the
              placement group we created ─▶ stop a Ray we started
 
-Both Ray backends hold one; they differ only in how calls reach the workers.
+Both Ray backends hold one; they differ only in how calls reach the workers. Also here: what
+each actor is started with (its name, environment and thread count) and how its death reads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -22,9 +24,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shardserve.config import EngineConfig
+from shardserve.config import EngineConfig, ParallelConfig
 from shardserve.errors import WorkerStartupError
-from shardserve.executor import ray_utils
+from shardserve.executor.ray.actor import remote_worker_class
+from shardserve.executor.ray.cluster import RayConnection, connect_ray, disconnect_ray
+from shardserve.executor.ray.placement import Placement, place_ranks, remove_placement
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,13 @@ _KILL_WAIT_S = 5.0
 
 DeathCallback = Callable[[str], None]  # gets describe(rank, reason)
 
+# Set per worker by Ray or by the executor, never copied from the driver.
+WORKER_SPECIFIC_ENV = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SHARDSERVE_HOST_IP"}
+)
+# Driver variables the workers need (debug knobs, model hub and tokenizer settings).
+PROPAGATED_ENV_PREFIXES = ("SHARDSERVE_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_")
+
 
 class RayWorkerGroup:
     def __init__(self, config: EngineConfig, on_death: DeathCallback) -> None:
@@ -40,8 +51,8 @@ class RayWorkerGroup:
         self.pc = config.parallel_config
         self.instance_id = secrets.token_hex(4)
         self._on_death = on_death
-        self.connection: ray_utils.RayConnection | None = None
-        self.placement: ray_utils.Placement | None = None
+        self.connection: RayConnection | None = None
+        self.placement: Placement | None = None
         self.actors: list[Any] = []
         self.info: list[dict[str, Any]] = []
         self._watched: dict[Any, int] = {}  # long-running ref -> rank
@@ -51,8 +62,8 @@ class RayWorkerGroup:
 
     # ---- start ----
     def start(self, timeout_s: float) -> None:
-        self.connection = ray_utils.connect_ray(self.pc)
-        self.placement = ray_utils.place_ranks(self.pc, self.config.device_config.device)
+        self.connection = connect_ray(self.pc)
+        self.placement = place_ranks(self.pc, self.config.device_config.device)
         self.actors = [self._create_actor(rank) for rank in range(self.pc.world_size)]
         self.lifelines = {a.watch.remote(): rank for rank, a in enumerate(self.actors)}
         deadline = time.monotonic() + timeout_s
@@ -80,21 +91,21 @@ class RayWorkerGroup:
         assert p is not None
         # The actor takes exactly what its bundle holds (a caller's group may hold no CPU).
         cpus = p.cpus[rank]
-        threads = ray_utils.threads_for(cpus or self.pc.ray.ray_cpus_per_worker)
+        threads = threads_for(cpus or self.pc.ray.ray_cpus_per_worker)
         options: dict[str, Any] = dict(
-            name=ray_utils.actor_name(self.instance_id, rank, self.pc),
+            name=actor_name(self.instance_id, rank, self.pc),
             num_cpus=cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 p.group, placement_group_bundle_index=p.bundles[rank]
             ),
-            runtime_env={"env_vars": ray_utils.worker_env(threads)},
+            runtime_env={"env_vars": worker_env(threads)},
             max_restarts=0,  # a dead rank cannot rejoin the process group: fail instead
         )
         if p.gpus[rank]:
             options["num_gpus"] = p.gpus[rank]  # Ray sets CUDA_VISIBLE_DEVICES to its GPU
         output_rank = self.pc.layout.output_rank
         return (
-            ray_utils.remote_worker_class()
+            remote_worker_class()
             .options(**options)
             .remote(self.config, rank, threads, output_rank)
         )
@@ -162,7 +173,7 @@ class RayWorkerGroup:
             ray.get(ready[0], timeout=1.0)
             reason = "its loop returned"
         except Exception as e:
-            reason = ray_utils.describe_death(e)
+            reason = describe_death(e)
         return self._watched[ready[0]], reason
 
     def describe(self, rank: int, reason: str) -> str:
@@ -186,9 +197,9 @@ class RayWorkerGroup:
             ray.wait(graceful, num_returns=len(graceful), timeout=grace_s)
         self.kill_actors()
         self.actors = []
-        ray_utils.remove_placement(self.placement)
+        remove_placement(self.placement)
         self.placement = None
-        ray_utils.disconnect_ray(self.connection)
+        disconnect_ray(self.connection)
         self.connection = None
 
     def kill_actors(self) -> None:
@@ -210,3 +221,39 @@ class RayWorkerGroup:
                 logger.warning(
                     "worker ranks %s still alive %.0f s after ray.kill", ranks, _KILL_WAIT_S
                 )
+
+
+# ---- what an actor is started with, and how its death reads -----------------------------------
+def actor_name(instance_id: str, rank: int, pc: ParallelConfig) -> str:
+    """`shardserve_<instance>_TP<r>[_PP<s>]`: predictable, unique per engine instance."""
+    where = pc.layout.coords(rank)
+    name = f"shardserve_{instance_id}_TP{where.tp}"
+    if pc.pipeline_parallel_size > 1:
+        name += f"_PP{where.pp}"
+    return name
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment for a worker actor: the driver's relevant variables, minus per-worker ones,
+    plus the thread count (set before torch is imported, so every thread of the actor,
+    including the compiled graph's, starts with it)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(PROPAGATED_ENV_PREFIXES) and k not in WORKER_SPECIFIC_ENV
+    }
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def threads_for(cpus: float) -> int:
+    """Torch threads for a rank: the CPUs its bundle reserved (Ray's own OMP convention)."""
+    return max(1, int(cpus))
+
+
+def describe_death(error: BaseException) -> str:
+    """Why an actor died, from Ray's error (which reads 'The actor is dead because ...')."""
+    for line in str(error).splitlines():
+        if "because" in line:
+            return line.strip().rstrip(".")
+    return type(error).__name__
