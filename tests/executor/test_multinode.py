@@ -95,18 +95,8 @@ class Headless:
         return alive
 
     def wait_for_line(self, text: str, timeout: float = 60) -> None:
-        """Read node 1's output until a line holds `text` (bounded: a hang-catcher)."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline()
-                if text in line:
-                    return
-                if not line:
-                    break
-        raise AssertionError(f"node 1 never said {text!r}")
+        if text not in line_with(self.proc, text, timeout):
+            raise AssertionError(f"node 1 never said {text!r}")
 
     def finish(self, timeout: float = 30) -> tuple[int | None, str]:
         try:
@@ -115,6 +105,31 @@ class Headless:
             self.kill_tree()
             out, _ = self.proc.communicate()
         return self.proc.returncode, out
+
+
+def line_with(proc: subprocess.Popen, text: str, timeout: float) -> str:
+    """Read `proc`'s output until a line holds `text` (bounded: a hang-catcher); "" if none
+    did before the deadline or the end."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            if text in line:
+                return line
+            if not line:
+                break
+    return ""
+
+
+def node_0_script(text: str, tmp_path: Path, model: Path, port: int,
+                  env: dict[str, str]) -> subprocess.Popen:
+    """Node 0 as a script of its own (`text`: argv model, port), in a session of its own."""
+    script = tmp_path / "node0.py"
+    script.write_text(text)
+    return subprocess.Popen([sys.executable, str(script), str(model), str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def gone_within(check, timeout: float) -> bool:
@@ -269,11 +284,7 @@ NODE0 = textwrap.dedent("""
 def test_headless_node_exits_when_node_0_dies(four_layer_model, cluster_env, tmp_path):
     segments_before = set(our_segments())
     port = free_port()
-    script = tmp_path / "node0.py"
-    script.write_text(NODE0)
-    node0 = subprocess.Popen([sys.executable, str(script), str(four_layer_model), str(port)],
-                             env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+    node0 = node_0_script(NODE0, tmp_path, four_layer_model, port, cluster_env)
     node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
                      "--max-model-len", "128", env=cluster_env)
     try:
@@ -473,35 +484,20 @@ NODE0_ONCE = textwrap.dedent("""
 """)
 
 
-def _line_with(proc: subprocess.Popen, text: str, timeout: float) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if text in line or not line:
-                return line
-    return ""
-
-
 def test_a_headless_node_joins_with_the_secret_node_0_printed(four_layer_model, cluster_env,
                                                               tmp_path):
     env = {k: v for k, v in cluster_env.items() if k != "SHARDSERVE_CLUSTER_SECRET"}
     port = free_port()
-    script = tmp_path / "node0.py"
-    script.write_text(NODE0_ONCE)
-    node0 = subprocess.Popen([sys.executable, str(script), str(four_layer_model), str(port)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+    node0 = node_0_script(NODE0_ONCE, tmp_path, four_layer_model, port, env)
     node1 = None
     try:
-        line = _line_with(node0, "SHARDSERVE_CLUSTER_SECRET=", 60)
+        line = line_with(node0, "SHARDSERVE_CLUSTER_SECRET=", 60)
         found = re.search(r"SHARDSERVE_CLUSTER_SECRET=(\S+) shardserve serve", line)
         assert found, line
         node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
                          "--max-model-len", "128",
                          env={**env, "SHARDSERVE_CLUSTER_SECRET": found[1]})
-        done = _line_with(node0, "DONE", 120)
+        done = line_with(node0, "DONE", 120)
         assert done.split() == ["DONE", "8", "False"], done  # generated; no environment set
         assert node0.wait(timeout=60) == 0
         code, out = node1.finish()
