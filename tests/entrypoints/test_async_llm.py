@@ -13,19 +13,15 @@ import pytest
 
 import shardserve
 from shardserve import EngineArgs, LLMEngine, SamplingParams
-from shardserve.config import EngineConfig
+from shardserve.config.engine import OWNERS, option_names
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def test_engine_args_cover_every_option_and_build_the_cli(tiny_llama_dir):
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    for config in ("model_config", "cache_config", "parallel_config", "scheduler_config",
-                   "observability_config"):
-        cls = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[config]
-        cls = getattr(shardserve.config, cls) if isinstance(cls, str) else cls
-        hidden = {"device", "data_parallel_rank"}  # the latter: set per replica, not by users
-        assert {f.name for f in dataclasses.fields(cls) if f.init} - hidden <= names
+    for cls in OWNERS.values():  # every option, but the index set per replica
+        assert option_names(cls) - {"data_parallel_rank"} <= names, cls.__name__
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", str(tiny_llama_dir), "--max-model-len", "64",
                               "--dtype", "float32", "--no-async-scheduling"])

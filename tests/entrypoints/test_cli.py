@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from sync_helpers import PipeText, frozen
 
+from shardserve.config.engine import OWNERS, option_names
 from shardserve.entrypoints import cli, cli_generate
 
 FAST = ["--dtype", "float32", "--max-model-len", "256", "--max-tokens", "8", "--temperature", "0"]
@@ -188,16 +189,13 @@ def test_every_engine_init_field_is_a_flag():
     parser = cli.build_parser()
     sub = parser._subparsers._group_actions[0].choices["generate"]
     flags = {opt for action in sub._actions for opt in action.option_strings}
-    for cls in cli.ENGINE_CONFIGS:
-        for f in dataclasses.fields(cls):
-            if not f.init or f.name in ("model", "device") and cls.__name__ == "ModelConfig":
-                continue
-            # Set by the front end: each replica's index on its copy; the resolved secret
-            # (SHARDSERVE_CLUSTER_SECRET gives it: not a flag, which `ps` would show).
-            if f.name in ("data_parallel_rank", "cluster_secret"):
-                continue
-            name = "--engine-seed" if f.name == "seed" else "--" + f.name.replace("_", "-")
-            assert name in flags, (cls.__name__, f.name)
+    # Every option LLM(...) takes (the nested Ray and multi-node configs' too), except the
+    # replica index the front end sets on each replica's copy.
+    assert {cls.__name__ for cls in OWNERS.values()} <= {c.__name__ for c in cli.ENGINE_CONFIGS}
+    for cls in OWNERS.values():
+        for name in option_names(cls) - {"data_parallel_rank"}:
+            flag = "--engine-seed" if name == "seed" else "--" + name.replace("_", "-")
+            assert flag in flags, (cls.__name__, name)
 
 
 def test_new_dataclass_field_gets_flag_type_and_docstring_help():
