@@ -65,11 +65,7 @@ class MultiprocExecutor(Executor):
         # other nodes' read over its TCP path.
         # A prefix: 0..L-1 (maybe none).
         self.local_ranks = list(pc.layout.ranks_on_node(0, pc.data_parallel_rank))
-        hooks = WorkerHooks(
-            self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
-        )
-        self.rpc = QueueRpc(self.world_size, len(self.local_ranks),
-                            pc.multinode.master_addr if self._spans_nodes else None, hooks)
+        self.rpc = self._queue_rpc()
         try:
             if self._spans_nodes:
                 self.remote = RemoteNodes(pc, cluster_secret(self.config), self._on_node_failure)
@@ -84,6 +80,14 @@ class MultiprocExecutor(Executor):
     @property
     def _spans_nodes(self) -> bool:
         return len(self.local_ranks) < self.world_size
+
+    def _queue_rpc(self) -> QueueRpc:
+        """Node 0's ranks read the broadcast through shared memory, the others over TCP."""
+        hooks = WorkerHooks(
+            self._raise_if_dead, lambda: self._death, self._dead_worker, self._unusual_workers
+        )
+        ip = self.parallel_config.multinode.master_addr if self._spans_nodes else None
+        return QueueRpc(self.world_size, len(self.local_ranks), ip, hooks)
 
     def _start(self, timeout_s: float) -> None:
         pc = self.parallel_config
