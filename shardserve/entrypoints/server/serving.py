@@ -1,8 +1,8 @@
 """The /v1/completions and /v1/chat/completions handlers: requests in, OpenAI JSON or SSE out.
 
-The engine yields cumulative outputs (full text so far); streaming sends the difference. Text is
-held back while it ends in an incomplete UTF-8 character ("\\ufffd") or could be the start of a
-stop string, so the streamed pieces always add up to the final text.
+Both run the same way; what differs is the shape of their JSON, an object chosen when the
+request is built (response_formats.py). Streams send what the engine's cumulative outputs add,
+holding back what could still change (stream_holdback.py).
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ from shardserve.entrypoints.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from shardserve.entrypoints.server.response_formats import (
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    ToolCallFormat,
+    final_outputs,
+)
 from shardserve.entrypoints.server.tool_calls import ToolMode, tool_mode
 from shardserve.errors import EngineDeadError
-from shardserve.outputs import CompletionOutput, RequestOutput
+from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,31 +52,18 @@ logger = logging.getLogger(__name__)
 class _Job:
     """One request as the handlers see it: its prompts (one engine request each) and params."""
 
-    kind: str  # "completion" | "chat"
     request_id: str
     model: str
     prompts: list[Prompt]
     params: list[SamplingParams]
     stream: bool
     include_usage: bool
+    format: ResponseFormat  # completion or chat JSON
     created: int = field(default_factory=lambda: int(time.time()))
-    echo: list[str] | None = None  # completions with echo: each prompt's text
-    tools: ToolMode | None = None  # chat with tools
 
     @property
     def n(self) -> int:
         return self.params[0].n
-
-
-@dataclass
-class _Sent:
-    """What streaming has already sent of one choice."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    started: bool = False
-    finished: bool = False
 
 
 class OpenAIServing:
@@ -142,8 +136,8 @@ class OpenAIServing:
         if req.echo:
             echo = [text if text is not None else await self.prompts.decode(ids)
                     for text, ids in prompts]
-        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name,
-                    prompts, params, req.stream, req.include_usage, echo=echo)
+        return _Job(f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name, prompts, params,
+                    req.stream, req.include_usage, CompletionFormat(echo))
 
     async def chat_job(self, req: ChatCompletionRequest) -> _Job:
         _log_unknown(req.check_supported())
@@ -157,26 +151,15 @@ class OpenAIServing:
         self.limits.check_prompt_count(1, req.n)
         self.client.check_alive()
         messages = [m.as_template_dict() for m in req.messages]
-        kwargs = req.template_kwargs()
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
         tools = tool_mode(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
-        if tools is not None:
-            kwargs["tools"] = req.tools
-        prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt, kwargs)
+        prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt,
+                                                _template_kwargs(req, tools))
         requested = req.requested_max_tokens
-        params = self._params(req, prompt[1], requested, requested is not None, None,
-                              req.num_logprobs)
-        constraint = tools.constraint() if tools is not None else None
-        if constraint is not None:
-            if params.structured_outputs is not None:
-                raise ServerError(400, "tool_choice named or required constrains the output "
-                                  "already; drop response_format / structured_outputs",
-                                  "tool_choice")
-            params = dataclasses.replace(params, structured_outputs=constraint)
+        params = _constrained(self._params(req, prompt[1], requested, requested is not None,
+                                           None, req.num_logprobs), tools)
         await self._check_grammar(params)
-        return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name,
-                    [prompt], [params], req.stream, req.include_usage, tools=tools)
+        return _Job(f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name, [prompt],
+                    [params], req.stream, req.include_usage, _chat_format(params, tools))
 
     # ---- tokenizer endpoints ----
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -231,80 +214,19 @@ class OpenAIServing:
                 for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))]
 
     async def _collect(self, job: _Job) -> dict[str, Any]:
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in _merge(self._streams(job)):
-            finals[i] = out
-        choices = []
-        for i in range(len(job.prompts)):
-            prefix = job.echo[i] if job.echo else ""
-            for c in finals[i].outputs:
-                choice = self._choice(job, i * job.n + c.index, c, prefix + c.text, 0, None)
-                if _calls_tools(job):
-                    self._tool_message(job, c, choice["message"], choice)
-                if job.kind == "completion" and finals[i].prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs(finals[i])
-                choices.append(choice)
-        body = {"id": job.request_id, "object": _OBJECT[job.kind], "created": job.created,
-                "model": job.model, "choices": choices, "usage": _usage(job, finals)}
-        if job.kind == "chat" and finals[0].prompt_logprobs is not None:
-            body["prompt_logprobs"] = _prompt_logprobs(finals[0])
-        return body
-
-    def _tool_message(self, job: _Job, c: CompletionOutput, message: dict[str, Any],
-                      choice: dict[str, Any]) -> None:
-        """Turn a finished generation into content + tool_calls (see tool_calls.py)."""
-        assert job.tools is not None
-        content, calls = job.tools.calls(c.text)
-        message["content"] = content
-        message["tool_calls"] = calls
-        if calls and job.tools.kind != "named" and c.finish_reason == "stop":
-            choice["finish_reason"] = "tool_calls"
-
-    async def _sse_tools(self, job: _Job) -> AsyncIterator[str]:
-        """A streamed tool-call response: whole, at the end, in OpenAI's delta format."""
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in _merge(self._streams(job)):
-            finals[i] = out
-        for c in finals[0].outputs:
-            message: dict[str, Any] = {}
-            choice: dict[str, Any] = {"index": c.index, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": None}
-            self._tool_message(job, c, message, choice)
-            delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
-            yield _event(self._chunk(job, [{**choice, "finish_reason": None, "delta": delta}]))
-            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            if calls:
-                yield _event(self._chunk(job, [{**choice, "finish_reason": None,
-                                                "delta": {"tool_calls": calls}}]))
-            yield _event(self._chunk(job, [{**choice, "delta": {}}]))
-        if job.include_usage:
-            yield _event(self._chunk(job, [], _usage(job, finals)))
+        finals = await final_outputs(_merge(self._streams(job)))
+        choices = [job.format.final_choice(i, i * job.n + c.index, c, finals[i])
+                   for i in range(len(job.prompts)) for c in finals[i].outputs]
+        return {"id": job.request_id, "object": job.format.object, "created": job.created,
+                "model": job.model, "choices": choices, "usage": _usage(job, finals),
+                **job.format.body_extras(finals)}
 
     async def _sse(self, job: _Job) -> AsyncIterator[str]:
-        if _calls_tools(job):
-            try:
-                async for event in self._sse_tools(job):
-                    yield event
-            except EngineDeadError as e:
-                yield _event(error_body(str(e), "ServiceUnavailableError", None, 503))
-            yield "data: [DONE]\n\n"
-            return
-        sent: dict[int, _Sent] = {}
         finals: dict[int, RequestOutput] = {}
-        hold = max((len(s) for s in job.params[0].stop), default=1) - 1
-        for i, text in enumerate(job.echo or []):  # echo: the prompts come first
-            yield _event(self._chunk(job, [
-                {"index": i * job.n + k, "text": text, "logprobs": None, "finish_reason": None,
-                 "stop_reason": None} for k in range(job.n)]))
+        outputs = _recorded(_merge(self._streams(job)), finals)
         try:
-            async for i, out in _merge(self._streams(job)):
-                finals[i] = out
-                for c in out.outputs:
-                    index = i * job.n + c.index
-                    chunk = self._delta_choice(job, index, c, sent.setdefault(index, _Sent()),
-                                               hold)
-                    if chunk is not None:
-                        yield _event(self._chunk(job, [chunk]))
+            async for choices in job.format.stream(outputs, job.n, job.params[0].stop):
+                yield _event(self._chunk(job, choices))
             if job.include_usage:
                 yield _event(self._chunk(job, [], _usage(job, finals)))
         except EngineDeadError as e:
@@ -312,75 +234,46 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def _chunk(self, job: _Job, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": job.request_id, "object": _CHUNK_OBJECT[job.kind],
+        chunk = {"id": job.request_id, "object": job.format.chunk_object,
                  "created": job.created, "model": job.model, "choices": choices}
         if job.include_usage:
             chunk["usage"] = usage
         return chunk
 
-    def _delta_choice(self, job: _Job, index: int, c: CompletionOutput, sent: _Sent,
-                      hold: int) -> dict | None:
-        if sent.finished:
-            return None
-        end = len(c.text)
-        if c.finish_reason is None:
-            while end > sent.text_len and c.text[end - 1] == "\ufffd":
-                end -= 1
-            end = max(sent.text_len, end - hold)
-        delta = c.text[sent.text_len:end]
-        new_tokens = len(c.token_ids) - sent.num_tokens
-        if not delta and c.finish_reason is None and (sent.started or job.kind != "chat"):
-            return None
-        choice = self._choice(job, index, c, delta, sent.num_tokens, sent)
-        sent.text_len, sent.num_tokens = max(end, sent.text_len), sent.num_tokens + new_tokens
-        sent.started, sent.finished = True, c.finish_reason is not None
-        return choice
 
-    def _choice(self, job: _Job, index: int, c: CompletionOutput, text: str,
-                first_token: int, sent: _Sent | None) -> dict[str, Any]:
-        logprobs = None
-        if c.logprobs is not None:
-            entries = list(zip(c.token_ids[first_token:], c.logprobs[first_token:], strict=False))
-            if job.kind == "chat":
-                logprobs = {"content": _chat_logprobs(entries, job.params[0].logprobs or 0)}
-            else:
-                start = sent.text_offset if sent is not None else 0
-                logprobs, end = _completion_logprobs(entries, start)
-                if sent is not None:
-                    sent.text_offset = end
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if job.kind == "completion":
-            choice["text"] = text
-        elif not job.stream:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["delta"] = {"content": text} if sent.started else \
-                {"role": "assistant", "content": text}
-        return choice
+def _template_kwargs(req: ChatCompletionRequest, tools: ToolMode | None) -> dict[str, Any]:
+    """apply_chat_template's extra arguments: the request's, and what the template must know."""
+    kwargs = req.template_kwargs()
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if tools is not None:
+        kwargs["tools"] = req.tools
+    return kwargs
 
 
-_OBJECT = {"completion": "text_completion", "chat": "chat.completion"}
-_CHUNK_OBJECT = {"completion": "text_completion", "chat": "chat.completion.chunk"}
+def _constrained(params: SamplingParams, tools: ToolMode | None) -> SamplingParams:
+    """params with the grammar that tool_choice named or required enforces, if any."""
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise ServerError(400, "tool_choice named or required constrains the output already; "
+                          "drop response_format / structured_outputs", "tool_choice")
+    return dataclasses.replace(params, structured_outputs=constraint)
 
 
-def _calls_tools(job: _Job) -> bool:
-    return job.tools is not None and job.tools.kind != "none"
+def _chat_format(params: SamplingParams, tools: ToolMode | None) -> ChatFormat:
+    top_logprobs = params.logprobs or 0
+    # tool_choice "none": the tools only reach the template, the text is plain content.
+    if tools is None or tools.kind == "none":
+        return ChatFormat(top_logprobs)
+    return ToolCallFormat(top_logprobs, tools)
 
 
 def _log_unknown(names: list[str]) -> None:
     if names:
         logger.info("ignored request fields that neither OpenAI nor vLLM define: %s",
                     ", ".join(names))
-
-
-def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's JSON form: per prompt token, None (the first) or token id → logprob, rank and
-    decoded token."""
-    return [None if entry is None else
-            {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
-                        "decoded_token": lp.decoded_token} for tid, lp in entry.items()}
-            for entry in out.prompt_logprobs or []]
 
 
 def _event(payload: dict) -> str:
@@ -394,47 +287,32 @@ def _usage(job: _Job, finals: dict[int, RequestOutput]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion}
 
 
-def _token_text(lp: Any, token_id: int) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else str(token_id)
-
-
-def _chat_logprobs(entries: list, top_n: int) -> list[dict[str, Any]]:
-    content = []
-    for token_id, position in entries:
-        sampled = position[token_id]
-        top = sorted(position.items(), key=lambda kv: -kv[1].logprob)[:top_n]
-        content.append({
-            "token": _token_text(sampled, token_id), "logprob": sampled.logprob,
-            "bytes": list(_token_text(sampled, token_id).encode()),
-            "top_logprobs": [{"token": _token_text(lp, tid), "logprob": lp.logprob,
-                              "bytes": list(_token_text(lp, tid).encode())} for tid, lp in top],
-        })
-    return content
-
-
-def _completion_logprobs(entries: list, offset: int) -> tuple[dict[str, Any], int]:
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                            "text_offset": []}
-    for token_id, position in entries:
-        token = _token_text(position[token_id], token_id)
-        out["tokens"].append(token)
-        out["token_logprobs"].append(position[token_id].logprob)
-        out["top_logprobs"].append({_token_text(lp, tid): lp.logprob
-                                    for tid, lp in position.items()})
-        out["text_offset"].append(offset)
-        offset += len(token)
-    return out, offset
+async def _recorded(outputs: AsyncIterator[tuple[int, RequestOutput]],
+                    finals: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """outputs, keeping each prompt's latest in finals (the usage chunk counts them)."""
+    async for i, out in outputs:
+        finals[i] = out
+        yield i, out
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come. Leaving early closes every
     stream, which aborts its engine request."""
-    if len(streams) == 1:
+    if len(streams) == 1:  # no tasks and queue needed
         async with contextlib.aclosing(streams[0]) as stream:
             async for out in stream:
                 yield 0, out
         return
+    # Closed with this one, at once: its tasks are what hold the engine requests open.
+    async with contextlib.aclosing(_merge_many(streams)) as merged:
+        async for item in merged:
+            yield item
+
+
+async def _merge_many(streams: list[AsyncIterator[RequestOutput]]
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """_merge of two or more streams: a task pumps each into one queue."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
