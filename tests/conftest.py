@@ -182,7 +182,18 @@ def our_children() -> list[psutil.Process]:
 
 
 def our_segments() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if "shardserve" in n]
+    """shardserve's /dev/shm segments, but those of another process tree's live processes
+    (names carry the creator's pid: shardserve-<kind>-<pid>-...; a parallel run's other
+    worker keeps its own). A leaked segment's creator is dead, or one of ours."""
+    family = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    return [n for n in os.listdir("/dev/shm") if "shardserve" in n
+            and not _foreign(n, family)]
+
+
+def _foreign(name: str, family: set[int]) -> bool:
+    parts = name.split("-")
+    pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+    return pid is not None and pid not in family and psutil.pid_exists(pid)
 
 
 @pytest.fixture()

@@ -4,14 +4,13 @@ to gloo for what does not fit, and leave no segment behind."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from shardserve.distributed import parallel_state
 from shardserve.distributed.shm_allreduce import ShmAllReduce
+from tests.conftest import our_segments
 
 WORLD = 3  # TP=3: the default model's 49152-entry vocab splits into 16384 columns per rank
 HIDDEN = 576  # the default model's hidden size: every layer all-reduces [tokens, 576]
@@ -105,12 +104,12 @@ def _run(rank: int, store: str, results) -> None:
 @pytest.fixture(scope="module")
 def rank_errors(tmp_path_factory) -> dict[tuple[str, int], list[str]]:
     """Every section's errors per rank, from one run of WORLD processes (start-up is the cost)."""
-    before = {n for n in os.listdir("/dev/shm") if "shardserve-ar" in n}
+    before = {n for n in our_segments() if "shardserve-ar" in n}
     results = mp.Manager().dict()
     store = str(tmp_path_factory.mktemp("shm") / "store")
     mp.spawn(_run, args=(store, results), nprocs=WORLD, join=True)
     # The segment is unlinked once mapped: nothing is left, whatever the checks found.
-    assert {n for n in os.listdir("/dev/shm") if "shardserve-ar" in n} == before
+    assert {n for n in our_segments() if "shardserve-ar" in n} == before
     return dict(results)
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,17 @@ class _Terminated(Exception):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated()
+
+
+@contextlib.contextmanager
+def _terminated_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises _Terminated inside the block (the caller exits 0); the previous handler
+    is back afterwards."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ServeCommand:
@@ -132,30 +145,29 @@ class ServeCommand:
             )
         served, aliases = served_names(args.model, args.served_model_name,
                                        config.model_config.path)
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         client, status = None, 0
-        try:
-            client = AsyncEngineClient(config, max_queued=args.max_queued_requests,
+        with _terminated_by_sigterm():
+            try:
+                client = AsyncEngineClient(config, max_queued=args.max_queued_requests,
                                        stream_interval=args.stream_interval,
-                                       metrics=ServerMetrics())
-            app = build_app(client, served, aliases, api_key,
-                            docs=not args.disable_fastapi_docs, limits=limits,
-                            chat_template=chat_template,
-                            tool_parser=_tool_parser(args))
-            uv_config = uvicorn.Config(app, host=args.host, port=args.port,
-                                       log_level=args.uvicorn_log_level,
-                                       access_log=args.access_log,
-                                       timeout_graceful_shutdown=_FLUSH_S)
-            server = _server_class()(uv_config, client, args, served)
-            server.run()
-            status = server.exit_status
-        except _Terminated:
-            logger.info("terminated")
-            status = 0
-        finally:
-            if client is not None:
-                client.shutdown_sync()  # no-op after the lifespan's shutdown
-            signal.signal(signal.SIGTERM, previous)
+                                           metrics=ServerMetrics())
+                app = build_app(client, served, aliases, api_key,
+                                docs=not args.disable_fastapi_docs, limits=limits,
+                                chat_template=chat_template,
+                                tool_parser=_tool_parser(args))
+                uv_config = uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level,
+                                           access_log=args.access_log,
+                                           timeout_graceful_shutdown=_FLUSH_S)
+                server = _server_class()(uv_config, client, args, served)
+                server.run()
+                status = server.exit_status
+            except _Terminated:
+                logger.info("terminated")
+                status = 0
+            finally:
+                if client is not None:
+                    client.shutdown_sync()  # no-op after the lifespan's shutdown
         return status
 
 
@@ -168,14 +180,12 @@ def _run_headless(args: argparse.Namespace) -> int:
                         "%(message)s")
     args.model = _model_arg(args.model_tag, args.model)
     config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return run_headless(config.parallel_config)
-    except _Terminated:
-        logger.info("terminated")
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _terminated_by_sigterm():
+        try:
+            return run_headless(config.parallel_config)
+        except _Terminated:
+            logger.info("terminated")
+            return 0
 
 
 def _tool_parser(args: argparse.Namespace) -> str | None:

@@ -1,6 +1,6 @@
 """Bounded memory per request whatever the client's reading speed: 4 streaming requests of
-2,000 tokens with 5 logprobs each, from clients that read nothing for 15 s and until the
-engine has finished them all, grow the API server's memory by no more than their own state
+1,000 tokens with 5 logprobs each, from clients that read nothing until the engine has
+finished them all, grow the API server's memory by no more than their own state
 (measured: +50 MiB with 20 logprobs, the cumulative logprobs themselves), and every client then
 gets all its tokens.
 
@@ -22,9 +22,9 @@ import pytest
 from server_helpers import Server
 from sync_helpers import wait_until
 
-TOKENS = 2000
-STALL_S = 15.0
-LIMIT_S = 240.0  # a hang-catcher: 4 x 2,000 tokens take ~20-30 s on a loaded 2-core machine
+TOKENS = 1000
+STALL_S = 1.0  # then each reader waits for `go`, set once the engine has finished all four
+LIMIT_S = 240.0  # a hang-catcher: 4 x 1,000 tokens take ~5-30 s on a loaded 2-core machine
 FINISHED = 'shardserve:request_success_total{finished_reason="length"}'
 
 
@@ -99,7 +99,7 @@ def test_slow_clients_do_not_grow_the_servers_memory(long_model, tmp_path):
         for r in readers:
             assert r.failure is None and r.finish == "length", (r.failure, r.finish)
             assert r.tokens == TOKENS
-        # One output per request: ~4 x 2,000 x (a token, its text, 5 logprobs) is a few MiB;
+        # One output per request: ~4 x 1,000 x (a token, its text, 5 logprobs) is a few MiB;
         # one output per step (what a queue keeps) would be hundreds of MiB.
         assert growth_mib < 64, growth_mib
     finally:
