@@ -33,6 +33,7 @@ from shardserve.executor.multinode.secret import (
     with_cluster_secret,
 )
 from tests.conftest import our_segments
+from tests.sync_helpers import HANG_S
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
@@ -491,7 +492,7 @@ def test_a_headless_node_joins_with_the_secret_node_0_printed(four_layer_model, 
     node0 = node_0_script(NODE0_ONCE, tmp_path, four_layer_model, port, env)
     node1 = None
     try:
-        line = line_with(node0, "SHARDSERVE_CLUSTER_SECRET=", 60)
+        line = line_with(node0, "SHARDSERVE_CLUSTER_SECRET=", HANG_S)
         found = re.search(r"SHARDSERVE_CLUSTER_SECRET=(\S+) shardserve serve", line)
         assert found, line
         node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2",
