@@ -29,13 +29,8 @@ RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
 	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
 	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
 
-# The main part runs two files at a time (-n 2, a file's tests in one worker): most of a test's
-# time is a child process starting or a peer waiting, so two interleave on two cores (8:57
-# against 15:29 one at a time, measured on this VM). Checks of what a test leaves behind count
-# only its own process tree's segments (tests/conftest.py: our_segments).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests \
-		$(addprefix --ignore=,$(RAY_TESTS))
+	$(BIN)/python -m pytest -q --durations=15 tests $(addprefix --ignore=,$(RAY_TESTS))
 	rc=0; for f in $(RAY_TESTS); do $(BIN)/python -m pytest -q $$f || rc=1; done; exit $$rc
 
 bench: $(STAMP)

@@ -15,12 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-# The suite runs two test files at a time on two cores (Makefile), each starting processes of
-# its own: OpenMP threads that spin after a parallel region (the default policy) would take
-# the core the other file's processes need (two default-model pipelines side by side took
-# 65 s instead of 7). Set before torch loads, here and in every process the tests start.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 def pytest_configure(config: pytest.Config) -> None:
     # A suite started with `&` from a shell without job control inherits SIGINT ignored, and so
