@@ -123,6 +123,12 @@ class OutputProcessor:
                 continue
             state = self._requests[parent_id]
             child = state.children[out.request_id]
+            if child.finish_reason is not None:
+                # Its stop string already ended it (and the engine was told to abort it), but
+                # with async scheduling the step under way still reports a token. Folding that
+                # in would un-finish the child (the engine's finish_reason is None), and a
+                # request with n > 1, kept for its other children, would never end.
+                continue
             self._note_times(state, out)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.prompt_logprobs)

@@ -123,3 +123,23 @@ def test_logprobs_zero_still_gives_the_sampled_tokens_logprob(tokenizer):
     (entry,) = results[0].outputs[0].logprobs
     assert entry[42].logprob == -0.5 and entry[42].rank == 3
     assert results[0].outputs[0].cumulative_logprob == -0.5
+
+
+def test_a_sibling_stopped_by_a_stop_string_stays_finished_when_late_tokens_arrive(tokenizer):
+    """n = 2, async scheduling: the engine's next step was already under way when the output
+    processor found child a's stop string, so a's token of that step still arrives (and after
+    it, with the abort, nothing). a stays finished, and the request ends with b."""
+    proc = OutputProcessor(tokenizer, stream=False)
+    params = SamplingParams(max_tokens=8, stop=[" "])
+    proc.add_request("r", None, [1], {"a": params, "b": params})
+    word, space = tokenizer.encode("Hello"), tokenizer.encode(" world")
+    _, abort = proc.process([EngineCoreOutput("a", word + space[:1]),
+                             EngineCoreOutput("b", word)])
+    assert abort == ["a"]
+    results, abort = proc.process([EngineCoreOutput("a", space[1:] or word),
+                                   EngineCoreOutput("b", word, finish_reason="length")])
+    assert abort == []
+    assert [r.finished for r in results] == [True]
+    assert [c.finish_reason for c in results[0].outputs] == ["stop", "length"]
+    assert results[0].outputs[0].text == "Hello"
+    assert not proc.has_unfinished()
