@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 # Most top-N logprobs a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+# Largest |logit_bias| value (OpenAI's range): +100 forces a token, -100 bans it.
+_MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -77,6 +79,69 @@ def _normalise_stop_token_ids(value: object) -> list[int]:
         if token_id < 0:
             raise ValueError(f"stop_token_ids must be >= 0, got {token_id} in {value!r}")
     return ids
+
+
+def _token_id(name: str, value: object) -> int:
+    """A token id (int >= 0); a str of digits is taken too (JSON keys are strings)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be token ids (int, or a str of digits), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be token ids >= 0, got {value!r}")
+    return int(value)
+
+
+def _normalise_logit_bias(value: object) -> dict[int, float] | None:
+    """logit_bias as {token id: bias}, each bias in OpenAI's [-100, 100]; {} becomes None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _token_id("logit_bias keys", key)
+        number = _real(f"logit_bias[{token}]", bias)
+        if not -_MAX_LOGIT_BIAS <= number <= _MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token}] must be in [-{_MAX_LOGIT_BIAS:g}, "
+                             f"{_MAX_LOGIT_BIAS:g}], got {bias!r}")
+        out[token] = number
+    return out or None
+
+
+def _normalise_allowed_token_ids(value: object) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"allowed_token_ids must be a list of token ids, got {value!r}")
+    if not value:
+        raise ValueError("allowed_token_ids must not be empty (nothing could be sampled); give "
+                         "at least one token id, or None to allow every token")
+    return sorted({_token_id("allowed_token_ids", item) for item in value})
+
+
+def _normalise_bad_words(value: object) -> list[str] | None:
+    """bad_words as a list of non-blank strings (a bare string is one word)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of str, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"bad_words must contain only non-blank str, got {item!r} in "
+                             f"{value!r}")
+    return list(items) or None
+
+
+def _normalise_token_sequences(value: object) -> list[list[int]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(seq, (list, tuple)) and seq for seq in value):
+        raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token "
+                         f"ids, got {value!r}")
+    return [[_token_id("bad_words_token_ids", t) for t in seq] for seq in value] or None
 
 
 @dataclass
@@ -172,12 +237,23 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt position (from the 2nd)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Logits controls, applied per request in the batched sampler (vocabulary ids are checked
+    # against the model by the front end's input processor).
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed, in any tokenization
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
+    detokenize: bool = True  # False: token ids only, text stays ""
+    # bad_words as token-id sequences, filled in by the front end's input processor (each
+    # word's tokenizations with and without a leading space); the workers ban by these.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self._coerce_types()
         self._check_ranges()
         self._check_lengths()
         self.stop = _normalise_stop(self.stop)
+        self._normalise_logits_controls()
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -185,6 +261,40 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+
+    def _normalise_logits_controls(self) -> None:
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
+        self.bad_words_token_ids = _normalise_token_sequences(self.bad_words_token_ids)
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            k = self.truncate_prompt_tokens = _int("truncate_prompt_tokens", k)
+        if k is not None and k < 1 and k != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 (keep the last k prompt "
+                             f"tokens) or -1 (keep max_model_len of them), got {k!r}")
+        _bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True (they are matched in the "
+                             f"text), got stop={self.stop!r} with detokenize=False; drop stop "
+                             f"or use stop_token_ids")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the first logit_bias / allowed_token_ids / bad_words_token_ids id
+        outside the model's vocabulary [0, vocab_size)."""
+        fields = (("logit_bias", list(self.logit_bias or ())),
+                  ("allowed_token_ids", self.allowed_token_ids or []),
+                  ("bad_words_token_ids",
+                   [t for seq in self.bad_words_token_ids or () for t in seq]))
+        for name, ids in fields:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab_size}) of this model (vocab size {vocab_size})")
+
+    @property
+    def has_logits_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     def _coerce_types(self) -> None:
         """Type checks; numeric fields are normalised (temperature=0 becomes 0.0)."""

@@ -37,6 +37,14 @@ INVALID = [
     ("stop_token_ids", [3, -1]),
     ("stop_token_ids", ["a"]),
     ("ignore_eos", "yes"),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 2.5),
+    ("detokenize", "no"),
+    ("allowed_token_ids", [3, -1]),
+    ("allowed_token_ids", [3, "x"]),
+    ("bad_words", ["a", 3]),
+    ("bad_words_token_ids", [[1], []]),
 ]
 
 

@@ -65,14 +65,16 @@ class InputProcessor:
     def vocab_size(self) -> int:
         return self.config.model_config.arch.vocab_size
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Text and token ids of a prompt; raises ValueError naming what is wrong."""
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                       ) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt (its last `truncate_prompt_tokens` ids only, when
+        given: the text stays the one passed in); raises ValueError naming what is wrong."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.process_prompt(prompt["prompt"])
+            return self.process_prompt(prompt["prompt"], truncate_prompt_tokens)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             text, ids = None, list(prompt)
         else:
@@ -80,8 +82,18 @@ class InputProcessor:
                 f"prompt of type {type(prompt).__name__} is not supported; pass a str, a list of "
                 f"token ids, or a dict with 'prompt' or 'prompt_token_ids'"
             )
+        ids = self.truncated(ids, truncate_prompt_tokens)
         self.check_prompt_ids(ids)
         return text, ids
+
+    def truncated(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last k ids (k = truncate_prompt_tokens; -1 means max_model_len, as vLLM)."""
+        k = truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.config.model_config.max_model_len
+        return ids[-k:] if len(ids) > k else ids
 
     def check_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -98,26 +110,55 @@ class InputProcessor:
                 f"prompt_token_ids contain {bad[:5]}, outside the vocabulary [0, {self.vocab_size})"
             )
 
-    @staticmethod
-    def check_params(params: SamplingParams) -> None:
-        """Raises ValueError for params the engine cannot run (a grammar that does not parse)."""
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises ValueError for params the engine cannot run (a grammar that does not parse,
+        a token id outside the vocabulary)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
+
+    def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """params with bad_words as token-id sequences for the workers (a copy: the caller's
+        object may be reused with another request)."""
+        if not params.bad_words:
+            return params
+        sequences = bad_words_token_ids(self.tokenizer, params.bad_words,
+                                        params.bad_words_token_ids or [])
+        return dataclasses.replace(params, bad_words_token_ids=sequences)
 
     def process(self, request_id: str, prompt: PromptType | tuple[str | None, list[int]],
                 params: SamplingParams) -> ProcessedRequest:
         """Check everything and fan `n` out; `prompt` may already be (text, ids) from
         process_prompt."""
         self.check_params(params)
-        text, ids = prompt if isinstance(prompt, tuple) else self.process_prompt(prompt)
+        truncate = params.truncate_prompt_tokens
+        if isinstance(prompt, tuple):
+            text, ids = prompt[0], self.truncated(prompt[1], truncate)
+        else:
+            text, ids = self.process_prompt(prompt, truncate)
+        params = self.with_bad_words(params)
         children = {
             (request_id if params.n == 1 else f"{request_id}#{i}"): child_params(params, i)
             for i in range(params.n)
         }
         eos = self.config.model_config.arch.eos_token_ids
         return ProcessedRequest(request_id, text, ids, children, eos)
+
+
+def bad_words_token_ids(tokenizer: Encoder, words: list[str],
+                        known: list[list[int]]) -> list[list[int]]:
+    """Each word's tokenizations, without and with a leading space (a word is spelled apart
+    from what precedes it or glued to it), added to `known`; no sequence twice."""
+    sequences = [list(seq) for seq in known]
+    for word in words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -65,11 +65,14 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                       ) -> tuple[str | None, list[int]]:
         """Text and token ids of a prompt; raises ValueError naming what is wrong."""
-        return self.inputs.process_prompt(prompt)
+        return self.inputs.process_prompt(prompt, truncate_prompt_tokens)
 
-    check_params = staticmethod(InputProcessor.check_params)
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError for params this engine cannot run (see InputProcessor.check_params)."""
+        self.inputs.check_params(params)
 
     def add_request(
         self,

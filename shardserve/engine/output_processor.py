@@ -98,7 +98,7 @@ class OutputProcessor:
             states[child_id] = _ChildState(
                 index, params, logprobs=[] if params.logprobs is not None else None,
                 stream=DecodeStream(skip_special_tokens=params.skip_special_tokens)
-                if self._fast is not None else None)
+                if self._fast is not None and params.detokenize else None)
             self._parent_of[child_id] = request_id
         state = _RequestState(request_id, prompt, prompt_token_ids, states)
         if next(iter(children.values())).prompt_logprobs is not None:
@@ -145,11 +145,13 @@ class OutputProcessor:
         """Entry p + 1 from position p; a recomputed chunk (after preemption) fills the same
         entries again."""
         assert state.prompt_logprobs is not None
+        decode = next(iter(state.children.values())).params.detokenize
         for i, (ids, lps) in enumerate(zip(chunk.token_ids.tolist(), chunk.logprobs.tolist(),
                                            strict=True)):
-            entry = {ids[0]: Logprob(lps[0], int(chunk.ranks[i]), self._decode_one(ids[0]))}
+            entry = {ids[0]: Logprob(lps[0], int(chunk.ranks[i]),
+                                     self._decode_one(ids[0], decode))}
             for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid, decode)))
             state.prompt_logprobs[chunk.start + 1 + i] = entry
 
     @staticmethod
@@ -191,7 +193,8 @@ class OutputProcessor:
         if out.new_logprobs is not None and child.logprobs is not None:
             self._add_logprobs(child, out)
         params = child.params
-        if self.stream or params.stop or out.finish_reason is not None:
+        # detokenize=False: token ids only (stop strings were refused with it).
+        if params.detokenize and (self.stream or params.stop or out.finish_reason is not None):
             old_len = len(child.text)
             self._decode_new(child, final=out.finish_reason is not None)
             hit = None
@@ -238,7 +241,9 @@ class OutputProcessor:
                 child.read_offset = i + 1
         child.fed = len(ids)
 
-    def _decode_one(self, token_id: int) -> str:
+    def _decode_one(self, token_id: int, decode: bool = True) -> str | None:
+        if not decode:  # detokenize=False: as vLLM, a logprob carries no text then
+            return None
         if self._fast is not None:
             return self._fast.decode([token_id], skip_special_tokens=False)
         return self.tokenizer.decode([token_id])
@@ -247,7 +252,7 @@ class OutputProcessor:
         for token_id, entry in zip(out.new_token_ids, out.new_logprobs or [], strict=False):
             child.logprobs.append(  # type: ignore[union-attr]
                 {
-                    tid: Logprob(lp, rank, self._decode_one(tid))
+                    tid: Logprob(lp, rank, self._decode_one(tid, child.params.detokenize))
                     for tid, (lp, rank) in entry.items()
                 }
             )

@@ -19,7 +19,7 @@ from typing import Any
 from shardserve.config import EngineConfig
 from shardserve.engine.arg_utils import EngineArgs
 from shardserve.engine.async_engine import AsyncEngineClient
-from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.engine.llm_engine import PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
@@ -44,8 +44,8 @@ class AsyncLLM:
         await self._start()
         params = sampling_params if isinstance(sampling_params, SamplingParams) \
             else SamplingParams(**sampling_params)
-        LLMEngine.check_params(params)
-        processed = self._client.inputs.process_prompt(prompt)
+        self._client.inputs.check_params(params)
+        processed = self._client.inputs.process_prompt(prompt, params.truncate_prompt_tokens)
         async for output in self._client.generate(request_id, processed, params):
             yield output
 

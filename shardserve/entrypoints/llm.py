@@ -53,9 +53,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
-        processed = [self.engine.process_prompt(p) for p in prompt_list]
         for params in params_list:
             self.engine.check_params(params)
+        processed = [self.engine.process_prompt(p, params.truncate_prompt_tokens)
+                     for p, params in zip(prompt_list, params_list, strict=True)]
         ids = []
         for prompt, params in zip(processed, params_list, strict=True):
             ids.append(self.engine.next_request_id())

@@ -4,7 +4,8 @@ The model runner owns one `RequestSamplingState` per request, builds a `Sampling
 step (all per-row tensors precomputed there), and calls `Sampler` on the logits of the rows that
 need a token. Order of operations follows vLLM v1:
 
-  logprobs from the raw logits -> allowed-token mask -> min_tokens blocking -> repetition,
+  logprobs from the raw logits -> allowed-token mask -> logits controls (allowed_token_ids,
+  bad_words, logit_bias: logits_controls.py) -> min_tokens blocking -> repetition,
   frequency and presence penalties -> greedy rows: argmax; random rows: temperature, top-k,
   top-p, min-p, then an exponential-race draw.
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from shardserve.model import native_kernels
+from shardserve.model.logits_controls import LogitsControls
 from shardserve.sampling_params import SamplingParams
 
 # Top-p compares float32 cumulative sums against top_p; a set whose mass is within this of top_p
@@ -119,6 +121,7 @@ class SamplingMetadata:
     seeded_generators: dict[int, torch.Generator]
     # Shared source for unseeded random rows (None: torch's default generator).
     generator: torch.Generator | None
+    logits_controls: LogitsControls | None = None  # None: no row uses one
 
     @classmethod
     def build(cls, states: list[RequestSamplingState], vocab_size: int,
@@ -142,6 +145,7 @@ class SamplingMetadata:
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
             seeded_generators=_seeded_generators(states, greedy, device),
             generator=generator,
+            logits_controls=LogitsControls.build(states, device),
         )
 
 
@@ -286,6 +290,8 @@ class Sampler:
         a fresh tensor unless the batch is all greedy (which never writes to it)."""
         if allowed_token_mask is not None:
             logits = logits.masked_fill(~allowed_token_mask, float("-inf"))
+        if metadata.logits_controls is not None:
+            logits = metadata.logits_controls.apply(logits)
         if metadata.min_tokens_rows is not None:
             logits = logits.index_put(
                 (metadata.min_tokens_rows, metadata.min_tokens_ids),

@@ -79,3 +79,37 @@ def test_front_ends_share_it(tiny_llama_dir):
                 if isinstance(node, ast.ImportFrom)}
     assert "shardserve.engine.request" not in imported
     assert "shardserve.engine.llm_engine" not in imported
+
+
+def test_bad_words_become_token_sequences_for_the_workers(inputs):
+    tok = inputs.tokenizer
+    params = SamplingParams(bad_words=["quick brown", " fox"], bad_words_token_ids=[[7, 8]])
+    req = inputs.process("r", "hi", params)
+    sequences = req.children["r"].bad_words_token_ids
+    want = [[7, 8]]
+    for text in ("quick brown", " quick brown", "fox", " fox"):
+        ids = tok.encode(text, add_special_tokens=False)
+        if ids not in want:
+            want.append(ids)
+    assert sequences == want
+    assert params.bad_words_token_ids == [[7, 8]]  # the caller's object is not changed
+    pickle.loads(pickle.dumps(req.core_requests()[0]))
+
+
+def test_truncate_prompt_tokens_before_the_length_check(inputs):
+    long = list(range(3, 23))  # 20 tokens, max_model_len is 16
+    assert inputs.process_prompt(long, 5) == (None, long[-5:])
+    assert inputs.process_prompt(long, -1) == (None, long[-16:])
+    assert inputs.process("r", long, SamplingParams(truncate_prompt_tokens=4)) \
+        .prompt_token_ids == long[-4:]
+    assert inputs.process("s", (None, long[:10]), SamplingParams(truncate_prompt_tokens=3)) \
+        .prompt_token_ids == long[7:10]
+
+
+def test_token_ids_outside_the_vocabulary_name_the_id(inputs):
+    vocab = inputs.vocab_size
+    for params, name in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+                         (SamplingParams(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids")):
+        with pytest.raises(ValueError, match=rf"{name} contains token id \d+, outside the "
+                                             rf"vocabulary \[0, {vocab}\)"):
+            inputs.process("r", "hi", params)
