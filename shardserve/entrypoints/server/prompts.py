@@ -39,13 +39,17 @@ class PromptPreparer:
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def completion_prompts(self, prompts: list[str | list[int]]) -> list[Prompt]:
-        return await self._run(lambda: [self._prompt(p) for p in prompts])
+    # truncate: keep the last k tokens of each prompt (vLLM's truncate_prompt_tokens; -1 is
+    # max_model_len), so a longer prompt is cut rather than refused.
+    async def completion_prompts(self, prompts: list[str | list[int]],
+                                 truncate: int | None = None) -> list[Prompt]:
+        return await self._run(lambda: [self._prompt(p, truncate) for p in prompts])
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any]) -> Prompt:
-        return await self._run(
-            lambda: self._chat_prompt(messages, add_generation_prompt, template_kwargs))
+                          template_kwargs: dict[str, Any], truncate: int | None = None
+                          ) -> Prompt:
+        return await self._run(lambda: self._chat_prompt(
+            messages, add_generation_prompt, template_kwargs, truncate))
 
     # /tokenize and /detokenize: no length check (they report the count and the limit).
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -62,18 +66,21 @@ class PromptPreparer:
     async def decode(self, ids: list[int]) -> str:
         return await self._run(lambda: self.tokenizer.decode(ids))
 
-    def _prompt(self, prompt: str | list[int]) -> Prompt:
+    def _prompt(self, prompt: str | list[int], truncate: int | None) -> Prompt:
         if isinstance(prompt, str):
-            ids = self._tokenize(prompt, add_special_tokens=True, param="prompt")
-            return self._checked({"prompt": prompt, "prompt_token_ids": ids}, "prompt")
-        return self._checked(prompt, "prompt")
+            ids = self._tokenize(prompt, add_special_tokens=True, param="prompt",
+                                 bounded=truncate is None)
+            return self._checked({"prompt": prompt, "prompt_token_ids": ids}, "prompt",
+                                 truncate)
+        return self._checked(prompt, "prompt", truncate)
 
     def _chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     template_kwargs: dict[str, Any]) -> Prompt:
+                     template_kwargs: dict[str, Any], truncate: int | None) -> Prompt:
         text = self._render(messages, add_generation_prompt, template_kwargs)
         # As apply_chat_template(tokenize=True) does: the template writes the special tokens.
-        ids = self._tokenize(text, add_special_tokens=False, param="messages")
-        return self._checked({"prompt_token_ids": ids}, "messages")
+        ids = self._tokenize(text, add_special_tokens=False, param="messages",
+                             bounded=truncate is None)
+        return self._checked({"prompt_token_ids": ids}, "messages", truncate)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 template_kwargs: dict[str, Any]) -> str:
@@ -100,8 +107,8 @@ class PromptPreparer:
                     param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _checked(self, prompt: Any, param: str) -> Prompt:
+    def _checked(self, prompt: Any, param: str, truncate: int | None = None) -> Prompt:
         try:
-            return self.inputs.process_prompt(prompt)
+            return self.inputs.process_prompt(prompt, truncate)
         except ValueError as e:
             raise ServerError(400, str(e), param) from e

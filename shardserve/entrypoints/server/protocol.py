@@ -11,6 +11,7 @@ nobody defines is ignored with one log line listing it, as vLLM does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,8 +55,7 @@ class StreamOptions(_Strict):
 # Fields OpenAI or vLLM define that this server does not implement → their neutral values
 # (a request holding that value asks for nothing, so it is served).
 _UNSUPPORTED: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-    "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
+    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "return_tokens_as_token_ids": False, "return_token_ids": None, "prompt_embeds": None,
     "priority": 0, "spaces_between_special_tokens": True, "cache_salt": None,
     "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
@@ -63,7 +63,7 @@ _UNSUPPORTED: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None,
-    "function_call": None, "logit_bias": None, "audio": None, "modalities": None,
+    "function_call": None, "audio": None, "modalities": None,
     "prediction": None, "store": None, "metadata": None, "service_tier": None,
 }
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -85,6 +85,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's JSON keys are strings: token ids in decimal (SamplingParams parses them).
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
     top_k: int | None = None
@@ -95,6 +96,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (its fields)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -104,8 +108,6 @@ class _SamplingRequest(_Strict):
         """400 for a defined field this server does not implement; returns the names of the
         fields nobody defines (the caller logs them)."""
         extra = dict(self.model_extra or {})
-        if self.logit_bias:
-            raise ServerError(400, "logit_bias is not supported", "logit_bias")
         for name, neutral in _UNSUPPORTED.items():
             if name in extra and extra[name] not in (neutral, None):
                 hint = (f"; use structured_outputs={{\"{_GUIDED[name]}\": ...}}"
@@ -124,7 +126,8 @@ class _SamplingRequest(_Strict):
         names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty",
                  "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                  "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "include_stop_str_in_output", "prompt_logprobs")
+                 "include_stop_str_in_output", "prompt_logprobs", "logit_bias",
+                 "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
         kwargs = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=self.structured_spec(), **kwargs)
@@ -179,9 +182,10 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise ServerError(400, "echo with logprobs needs the prompt's logprobs, which "
-                              "this server does not return; drop one of them", "echo")
+        if self.echo_logprobs and self.stream:
+            raise ServerError(400, "echo with logprobs is not returned on streams (the "
+                              "prompt's logprobs come with the finished request); request it "
+                              "with stream false", "echo")
         if self.suffix:
             raise ServerError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -194,6 +198,19 @@ class CompletionRequest(_SamplingRequest):
                               "(the tokenizer's special tokens are always added)",
                               "add_special_tokens")
         return [name for name in unknown if name != "add_special_tokens"]
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The prompt's tokens and logprobs lead each choice's logprobs (from prompt_logprobs,
+        the first token's None as OpenAI's)."""
+        return self.echo and self.logprobs is not None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if not self.echo_logprobs:
+            return params
+        wanted = max(params.prompt_logprobs or 0, self.logprobs or 0)
+        return dataclasses.replace(params, prompt_logprobs=wanted)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a str, a list of str, token ids, or lists of them."""

@@ -82,14 +82,22 @@ class CompletionFormat(ResponseFormat):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, echo: list[str] | None) -> None:
+    def __init__(self, echo: list[str] | None, echo_first_tokens: list[str] | None = None,
+                 show_prompt_logprobs: bool = True) -> None:
         self.echo = echo  # with echo: each prompt's text, sent before its generated text
+        # echo with logprobs: each prompt's first token's text (the prompt's logprobs, from
+        # prompt_logprobs, lead the choice's logprobs; nothing predicts that first token).
+        self.echo_first_tokens = echo_first_tokens
+        # False when prompt_logprobs were only asked for the echo, not by the client.
+        self.show_prompt_logprobs = show_prompt_logprobs
 
     def final_choice(self, prompt: int, index: int, c: CompletionOutput,
                      out: RequestOutput) -> Choice:
         choice = self._head(index, c, 0, None)
         choice["text"] = (self.echo[prompt] if self.echo else "") + c.text
-        if out.prompt_logprobs is not None:
+        if self.echo_first_tokens is not None and c.logprobs is not None:
+            choice["logprobs"] = echoed_logprobs(out, c, self.echo_first_tokens[prompt])
+        if out.prompt_logprobs is not None and self.show_prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs(out)
         return choice
 
@@ -217,6 +225,20 @@ def chat_logprobs(entries: list, top_n: int) -> list[dict[str, Any]]:
                               "bytes": list(_token_text(lp, tid).encode())} for tid, lp in top],
         })
     return content
+
+
+def echoed_logprobs(out: RequestOutput, c: CompletionOutput, first_token: str
+                    ) -> dict[str, Any]:
+    """OpenAI's legacy form over the prompt then the generated tokens; the first prompt token's
+    logprob and top_logprobs are None, as OpenAI's (nothing predicts it)."""
+    prompt_ids, entries = out.prompt_token_ids, out.prompt_logprobs or []
+    head, offset = completion_logprobs(list(zip(prompt_ids[1:], entries[1:], strict=True)),
+                                       len(first_token))
+    tail, _ = completion_logprobs(list(zip(c.token_ids, c.logprobs or [], strict=False)),
+                                  offset)
+    first = {"tokens": first_token, "token_logprobs": None, "top_logprobs": None,
+             "text_offset": 0}
+    return {key: [first[key], *head[key], *tail[key]] for key in first}
 
 
 def completion_logprobs(entries: list, offset: int) -> tuple[dict[str, Any], int]:

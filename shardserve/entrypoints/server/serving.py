@@ -102,10 +102,13 @@ class OpenAIServing:
                 default: int | None, logprobs: int | None) -> SamplingParams:
         max_tokens = self._max_tokens(ids, requested, explicit, default)
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
+            params.check_token_ids(self.client.inputs.vocab_size)
+            return params
         except ValueError as e:
             message = str(e)
-            raise ServerError(400, message, message.split(" ", 1)[0]) from e
+            # The field named first ("logit_bias[5] must be ..." is logit_bias's).
+            raise ServerError(400, message, message.split(" ", 1)[0].split("[", 1)[0]) from e
 
     @staticmethod
     async def _check_grammar(params: SamplingParams) -> None:
@@ -127,17 +130,27 @@ class OpenAIServing:
         texts = req.prompts()
         self.limits.check_prompt_count(len(texts), req.n)
         self.client.check_alive()
-        prompts = await self.prompts.completion_prompts(texts)
+        truncate = _truncation(req)
+        prompts = await self.prompts.completion_prompts(texts, truncate)
         explicit = "max_tokens" in req.model_fields_set
         params = [self._params(req, ids, req.max_tokens, explicit, 16, req.logprobs)
                   for _, ids in prompts]
         await self._check_grammar(params[0])
-        echo = None
-        if req.echo:
-            echo = [text if text is not None else await self.prompts.decode(ids)
-                    for text, ids in prompts]
         return _Job(f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name, prompts, params,
-                    req.stream, req.include_usage, CompletionFormat(echo))
+                    req.stream, req.include_usage, await self._completion_format(req, prompts))
+
+    async def _completion_format(self, req: CompletionRequest,
+                                 prompts: list[Prompt]) -> CompletionFormat:
+        if not req.echo:
+            return CompletionFormat(None)
+        # A truncated prompt echoes the tokens that were kept, not the text sent.
+        echo = [text if text is not None and req.truncate_prompt_tokens is None
+                else await self.prompts.decode(ids) for text, ids in prompts]
+        if not req.echo_logprobs:
+            return CompletionFormat(echo)
+        # The first prompt token has no logprob, so nothing decoded it: its text is decoded here.
+        firsts = [await self.prompts.decode(ids[:1]) for _, ids in prompts]
+        return CompletionFormat(echo, firsts, req.prompt_logprobs is not None)
 
     async def chat_job(self, req: ChatCompletionRequest) -> _Job:
         _log_unknown(req.check_supported())
@@ -153,7 +166,7 @@ class OpenAIServing:
         messages = [m.as_template_dict() for m in req.messages]
         tools = tool_mode(req.tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
         prompt = await self.prompts.chat_prompt(messages, req.add_generation_prompt,
-                                                _template_kwargs(req, tools))
+                                                _template_kwargs(req, tools), _truncation(req))
         requested = req.requested_max_tokens
         params = _constrained(self._params(req, prompt[1], requested, requested is not None,
                                            None, req.num_logprobs), tools)
@@ -239,6 +252,15 @@ class OpenAIServing:
         if job.include_usage:
             chunk["usage"] = usage
         return chunk
+
+
+def _truncation(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """truncate_prompt_tokens, checked before any prompt is cut by it (400 naming it)."""
+    try:
+        return SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens) \
+            .truncate_prompt_tokens
+    except ValueError as e:
+        raise ServerError(400, str(e), "truncate_prompt_tokens") from e
 
 
 def _template_kwargs(req: ChatCompletionRequest, tools: ToolMode | None) -> dict[str, Any]:

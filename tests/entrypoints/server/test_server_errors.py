@@ -73,8 +73,10 @@ FIELD_CASES = [
     (C, {"prompt": []}, "prompt"),
     (C, {"prompt": [[]]}, "prompt"),
     (CHAT, {"messages": []}, "messages"),
-    (C, {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    (C, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    (C, {"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    (C, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    (C, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 

@@ -99,7 +99,7 @@ def test_prompt_logprobs_equal_offline(tiny_server, tiny_offline):
 @pytest.mark.parametrize(("extra", "param", "words"), [
     ({"use_beam_search": True}, "use_beam_search", ["not supported"]),
     ({"guided_json": {"type": "object"}}, "guided_json", ["structured_outputs", "json"]),
-    ({"bad_words": ["x"]}, "bad_words", ["not supported"]),
+    ({"logits_processors": ["x"]}, "logits_processors", ["not supported"]),
     ({"add_special_tokens": False}, "add_special_tokens", ["add_special_tokens=false"]),
 ])
 def test_defined_but_unimplemented_fields_are_a_400(client, tiny_server, extra, param, words):
