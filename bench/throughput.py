@@ -1,7 +1,7 @@
 """Offline throughput: shardserve vs HF transformers on the default model, in one run.
 
     python bench/throughput.py [--num-prompts 64] [--max-tokens 128] [--dtypes float32,bfloat16]
-                               [--widths 32,64] [--rounds 3]
+                               [--widths 32,64] [--rounds 3] [--logits-controls]
 
 For every dtype and batch width w (--widths): output tokens/s of shardserve with max_num_seqs=w
 (continuous batching over all prompts) and of HF transformers' batched `generate` in batches of
@@ -16,6 +16,9 @@ width shardserve and HF run back to back (which goes first alternates from round
 the ratio shardserve / HF is taken within that round; the table shows the median of the
 per-round ratios and their range. The tok/s columns are medians over the rounds, and "of bound"
 is the median of the per-round decode / bound.
+
+--logits-controls sets a logit_bias (16 tokens, small biases) and bad_words on every shardserve
+request, to compare with a run without it (the batched controls should cost ~nothing).
 
 Threads: HF (and the bandwidth probe) run on the thread shardserve's in-process workers use
 (`uniproc.worker_thread()`), so the process has one OpenMP pool, as each side has when it runs
@@ -38,6 +41,9 @@ from shardserve.model.loader import default_model_path
 WARMUP_TOKENS = 4
 DECODE_STEPS = 64
 BW_BUFFER_FLOATS = 128 * 2**20  # 512 MiB of float32
+# --logits-controls: what every request carries (small biases: the text stays the model's).
+LOGITS_CONTROLS = {"logit_bias": {t: 0.5 - (t % 3) * 0.25 for t in range(1000, 1016)},
+                   "bad_words": ["banana split", "xylophone", "Furthermore"]}
 
 
 def on_worker_thread(fn, *args):
@@ -51,8 +57,10 @@ def read_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
     return buf.numel() * buf.element_size() / best
 
 
-def ours_tok_s(llm: LLM, prompts: list[str], max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def ours_tok_s(llm: LLM, prompts: list[str], max_tokens: int,
+               controls: dict | None = None) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            **(controls or {}))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -109,6 +117,7 @@ class DtypeBench:
     def __init__(self, dtype: str, hf_model, hf_tok, prompts: list[str], args) -> None:
         self.prompts, self.args, self.hf_tok = prompts, args, hf_tok
         self.widths = [int(w) for w in args.widths.split(",")]
+        self.controls = LOGITS_CONTROLS if args.logits_controls else None
         self.hf = on_worker_thread(hf_model.to, getattr(torch, dtype))
         self.engines = {
             w: LLM(dtype=dtype, max_model_len=1024, max_num_seqs=w) for w in self.widths
@@ -116,7 +125,7 @@ class DtypeBench:
         runner = self.engines[self.widths[0]].engine.core.executor.worker.model_runner
         self.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         for w in self.widths:  # the same untimed short run for each side, at each width
-            ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS)
+            ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS, self.controls)
             hf_tok_s(self.hf, hf_tok, prompts, WARMUP_TOKENS, w)
         decode1(self.engines[self.widths[-1]], prompts[0], steps=4)
 
@@ -124,7 +133,7 @@ class DtypeBench:
         """Each width: both sides back to back (alternating order); then bandwidth + decode."""
         n = self.args.max_tokens
         sides = {
-            "ours": lambda w: ours_tok_s(self.engines[w], self.prompts, n),
+            "ours": lambda w: ours_tok_s(self.engines[w], self.prompts, n, self.controls),
             "hf": lambda w: hf_tok_s(self.hf, self.hf_tok, self.prompts, n, w),
         }
         for w in self.widths:
@@ -207,6 +216,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--widths", default="32,64", help="batch widths, both sides (max_num_seqs)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median ratio")
+    ap.add_argument("--logits-controls", action="store_true",
+                    help="logit_bias and bad_words on every shardserve request")
     args = ap.parse_args()
     prompts = make_prompts(args.num_prompts)
     buf = on_worker_thread(torch.ones, BW_BUFFER_FLOATS)

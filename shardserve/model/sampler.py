@@ -286,8 +286,8 @@ class Sampler:
     @staticmethod
     def _constrain(logits: torch.Tensor, metadata: SamplingMetadata,
                    allowed_token_mask: torch.Tensor | None) -> torch.Tensor:
-        """Mask, min_tokens blocking and penalties. Never modifies the caller's tensor; returns
-        a fresh tensor unless the batch is all greedy (which never writes to it)."""
+        """Masks, logits controls, min_tokens and penalties. Never modifies the caller's
+        tensor; returns a fresh one unless the batch is all greedy (which never writes)."""
         if allowed_token_mask is not None:
             logits = logits.masked_fill(~allowed_token_mask, float("-inf"))
         if metadata.logits_controls is not None:
