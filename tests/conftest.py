@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+# The suite runs two test files at a time on two cores (Makefile), each starting processes of
+# its own: OpenMP threads that spin after a parallel region (the default policy) would take
+# the core the other file's processes need (two default-model pipelines side by side took
+# 65 s instead of 7). Set before torch loads, here and in every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def pytest_configure(config: pytest.Config) -> None:
     # A suite started with `&` from a shell without job control inherits SIGINT ignored, and so
@@ -22,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # tests would then see their SIGINT dropped. A handler is reset to the default by exec.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    global _FAMILY
+    _FAMILY = _FamilySeen()  # from the start: every worker of every test is seen alive
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
@@ -181,11 +189,45 @@ def our_children() -> list[psutil.Process]:
     return out
 
 
+class _FamilySeen:
+    """Every process this one has had as a descendant, sampled in the background: a segment
+    whose creator died is still this run's if the creator was ever ours (a worker a test
+    killed), and another run's otherwise (the other pytest-xdist worker's, or a session of
+    someone else's). Workers live far longer than the period (they import torch)."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self) -> None:
+        self.pids = {os.getpid()}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="family-seen", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            time.sleep(self.PERIOD_S)
+
+    def sample(self) -> set[int]:
+        try:
+            now = {p.pid for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:  # a child vanished mid-walk: the next period sees the rest
+            now = set()
+        with self._lock:
+            self.pids |= now
+            return set(self.pids)
+
+
+_FAMILY: _FamilySeen | None = None
+
+
 def our_segments() -> list[str]:
-    """shardserve's /dev/shm segments, but those of another process tree's live processes
-    (names carry the creator's pid: shardserve-<kind>-<pid>-...; a parallel run's other
-    worker keeps its own). A leaked segment's creator is dead, or one of ours."""
-    family = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    """shardserve's /dev/shm segments created by this process or one of its descendants
+    (names carry the creator's pid: shardserve-<kind>-<pid>-...), alive or dead; those of
+    any other process tree are not ours to count."""
+    global _FAMILY
+    if _FAMILY is None:
+        _FAMILY = _FamilySeen()
+    family = _FAMILY.sample()
     return [n for n in os.listdir("/dev/shm") if "shardserve" in n
             and not _foreign(n, family)]
 
@@ -193,7 +235,7 @@ def our_segments() -> list[str]:
 def _foreign(name: str, family: set[int]) -> bool:
     parts = name.split("-")
     pid = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
-    return pid is not None and pid not in family and psutil.pid_exists(pid)
+    return pid is not None and pid not in family
 
 
 @pytest.fixture()

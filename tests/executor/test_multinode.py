@@ -110,16 +110,27 @@ class Headless:
 
 def line_with(proc: subprocess.Popen, text: str, timeout: float) -> str:
     """Read `proc`'s output until a line holds `text` (bounded: a hang-catcher); "" if none
-    did before the deadline or the end."""
+    did before the deadline or the end. Reads the pipe's descriptor itself: a text-mode
+    readline() after select() can pull the next line into Python's buffer, where select() no
+    longer sees it (a secret printed as the second line of one write was missed that way)."""
     assert proc.stdout is not None
+    fd, rest = proc.stdout.fileno(), getattr(proc, "unread", b"")
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if text in line:
-                return line
-            if not line:
+    while True:
+        while b"\n" in rest:
+            line, rest = rest.split(b"\n", 1)
+            if text.encode() in line:
+                proc.unread = rest  # type: ignore[attr-defined]
+                return line.decode(errors="replace") + "\n"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if select.select([fd], [], [], min(0.5, left))[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 break
+            rest += chunk
+    proc.unread = rest  # type: ignore[attr-defined]
     return ""
 
 

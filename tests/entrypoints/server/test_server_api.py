@@ -109,6 +109,25 @@ def test_stop_strings_streamed_and_not(client, tiny_server, tiny_offline):
     assert "".join(c.choices[0].text for c in chunks) == full[:assume_stop]
 
 
+def test_n_choices_each_ended_by_a_stop_string(client, tiny_server, tiny_offline):
+    """Each of n sampled choices ends at its own first space; the request finishes (it once ran
+    forever: the token of the step under way un-finished a stopped choice) and the next one is
+    served."""
+    kw = dict(n=3, temperature=1.0, seed=1, stop=[" "])
+    ref = tiny_offline.generate([PROMPTS[0]], SamplingParams(max_tokens=20, **kw),
+                                use_tqdm=False)[0]
+    resp = client.completions.create(model=model_name(tiny_server), prompt=PROMPTS[0],
+                                     max_tokens=20, **kw)
+    by_index = {c.index: c for c in resp.choices}
+    assert [by_index[i].text for i in range(3)] == [o.text for o in ref.outputs]
+    assert all(" " not in c.text for c in resp.choices)
+    chunks = list(client.completions.create(model=model_name(tiny_server), prompt=PROMPTS[0],
+                                            max_tokens=20, stream=True, **kw))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+                for i in range(3)}
+    assert [streamed[i] for i in range(3)] == [o.text for o in ref.outputs]
+
+
 def _text(token_id: int, lp) -> str:
     """A token's text as the server shows it (its id where it has no decoded text)."""
     return lp.decoded_token if lp.decoded_token is not None else str(token_id)
