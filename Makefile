@@ -29,8 +29,13 @@ RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
 	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
 	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
 
+# The main part runs two files at a time (-n 2, a file's tests in one worker): much of a test's
+# time is a child process starting or a peer waiting, so two interleave on two cores. What a
+# test leaves behind is counted for its own process tree only (tests/conftest.py: our_segments),
+# and HF's greedy continuations are computed once for all processes (tests/hf_oracle.py).
 test: lint
-	$(BIN)/python -m pytest -q --durations=15 tests $(addprefix --ignore=,$(RAY_TESTS))
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests \
+		$(addprefix --ignore=,$(RAY_TESTS))
 	rc=0; for f in $(RAY_TESTS); do $(BIN)/python -m pytest -q $$f || rc=1; done; exit $$rc
 
 bench: $(STAMP)

@@ -6,6 +6,7 @@ sentences, and a randomly initialised float32 model saved as safetensors beside 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -151,15 +152,35 @@ def default_model_path() -> Path:
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="session")
-def hf_default_model(default_model_path: Path):
-    """transformers' own float32 load of the default GGUF, the oracle (~13 s; once a session)."""
+@functools.cache
+def _hf_default(path: Path, dtype_name: str):
+    """transformers' own load of the default GGUF (one per dtype and process)."""
     import torch
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype_name)
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: Path):
+    """transformers' own float32 load of the default GGUF, the oracle (~13 s; once a session)."""
+    return _hf_default(default_model_path, "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_default_greedy(request: pytest.FixtureRequest, default_model_path: Path):
+    """HF generate's greedy continuations on the default model, as `oracle(ids, n)`: computed
+    once per checkout and kept in pytest's cache folder, so the other test processes (the
+    second xdist worker, each Ray file's interpreter) read them instead of loading transformers'
+    model again; the key holds the GGUF's identity and the torch and transformers versions."""
+    from tests.hf_oracle import HfGreedyOracle
+
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    folder = cache.mkdir("hf-greedy") if cache is not None else None
+    return HfGreedyOracle(lambda: _hf_default(default_model_path, "float32"),
+                          default_model_path, folder)
 
 
 @pytest.fixture(scope="session")
@@ -167,12 +188,7 @@ def hf_default_model_bf16(default_model_path: Path):
     """transformers' own bfloat16 load of the default GGUF (~11 s; once a session). Loaded, not
     cast from the float32 fixture: `.to(bfloat16)` would also round buffers such as RoPE's
     inv_freq, which HF's bfloat16 load keeps in float32."""
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.bfloat16
-    ).eval()
+    return _hf_default(default_model_path, "bfloat16")
 
 
 def our_children() -> list[psutil.Process]:

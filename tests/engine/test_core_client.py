@@ -55,10 +55,10 @@ def test_inproc_by_default_mp_with_replicas(tiny_llama_dir) -> None:
         llm.shutdown()
 
 
-def test_dp2_greedy_matches_hf_and_uses_both_replicas(dp_llm, hf_default_model) -> None:
+def test_dp2_greedy_matches_hf_and_uses_both_replicas(dp_llm, hf_default_greedy) -> None:
     assert isinstance(dp_llm.engine.client, MPClient)
     before = added(dp_llm)
-    assert_matches_hf(dp_llm, hf_default_model)
+    assert_matches_hf(dp_llm, hf_default_greedy)
     delta = [a - b for a, b in zip(added(dp_llm), before, strict=True)]
     assert sum(delta) == 8 and min(delta) >= 2, delta
 

@@ -1,10 +1,10 @@
 """The HF oracle's prompts (4 raw, 4 chat; test_llm_oracle.py's too), and the check of the
 pipeline tests (mp and Ray alike): the default model's float32 greedy output on them, 32 tokens
-each, must equal HF generate's token for token."""
+each, must equal HF generate's token for token (computed once per checkout: hf_oracle.py)."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
 from shardserve import LLM, SamplingParams
 
@@ -20,9 +20,6 @@ CHAT_PROMPTS = [
     "Name three fruits.",
     "Explain gravity in one sentence.",
 ]
-_CACHE: dict[tuple[int, ...], list[int]] = {}
-
-
 def oracle_prompt_ids(tok) -> list[list[int]]:
     chat = [
         tok.apply_chat_template(
@@ -33,22 +30,12 @@ def oracle_prompt_ids(tok) -> list[list[int]]:
     return [tok.encode(p) for p in RAW_PROMPTS] + [list(c) for c in chat]
 
 
-def hf_greedy(hf_model, ids: list[int], n: int = 32) -> list[int]:
-    """HF generate's greedy continuation (memoised: several engines ask for the same)."""
-    key = (n, *ids)
-    if key not in _CACHE:
-        with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=2
-            )
-        _CACHE[key] = ref[0, len(ids) :].tolist()
-    return _CACHE[key]
-
-
-def assert_matches_hf(llm: LLM, hf_model, n: int = 32) -> None:
+def assert_matches_hf(llm: LLM, hf_greedy: Callable[[list[int], int], list[int]],
+                      n: int = 32) -> None:
+    """`hf_greedy`: the `hf_default_greedy` fixture (tests/hf_oracle.py)."""
     tok = llm.get_tokenizer()
     prompt_ids = oracle_prompt_ids(tok)
     params = SamplingParams(max_tokens=n, temperature=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     for ids, out in zip(prompt_ids, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, n), tok.decode(ids)
+        assert out.outputs[0].token_ids == hf_greedy(ids, n), tok.decode(ids)

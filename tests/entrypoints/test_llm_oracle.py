@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pp_oracle import assert_matches_hf
 from pp_oracle import oracle_prompt_ids as _oracle_prompt_ids
 
 from shardserve import LLM, SamplingParams
@@ -54,20 +55,11 @@ def test_tiny_random_models_match_hf(fixture, request):
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf_generate(hf_default_model):
+def test_default_model_matches_hf_generate(hf_default_greedy):
+    """uni, the default options: 32 greedy tokens on each oracle prompt equal HF generate's."""
     llm = LLM(dtype="float32", max_model_len=512)
     try:
-        tok = llm.get_tokenizer()
-        prompt_ids = _oracle_prompt_ids(tok)
-        params = SamplingParams(max_tokens=32, temperature=0)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-        for ids, out in zip(prompt_ids, outs, strict=True):
-            with torch.no_grad():
-                ref = hf_default_model.generate(
-                    torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2
-                )
-            want = ref[0, len(ids) :].tolist()
-            assert out.outputs[0].token_ids == want, tok.decode(ids)
+        assert_matches_hf(llm, hf_default_greedy)
     finally:
         llm.shutdown()
 

@@ -25,12 +25,12 @@ from pp_oracle import assert_matches_hf  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.parametrize(("pp", "async_on"), [(2, True), (2, False), (3, True)],
                          ids=["2-async", "2-sync", "3-async"])  # PP=3: the default mode only
-def test_default_model_matches_hf(hf_default_model, pp, async_on):
+def test_default_model_matches_hf(hf_default_greedy, pp, async_on):
     llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=pp,
               distributed_executor_backend="mp", async_scheduling=async_on)  # fmt: skip
     try:
         assert llm.engine.core.max_concurrent_batches == pp
-        assert_matches_hf(llm, hf_default_model)
+        assert_matches_hf(llm, hf_default_greedy)
         handoffs = llm.collective_rpc(_handoff_paths)
         assert all(fallback == 0 for _, fallback in handoffs), handoffs  # shared memory only
         assert handoffs[0][0] > 0

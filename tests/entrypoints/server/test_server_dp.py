@@ -15,7 +15,7 @@ from server_helpers import API_KEY, Server
 from shardserve.model.loader import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from pp_oracle import hf_greedy, oracle_prompt_ids  # noqa: E402
+from pp_oracle import oracle_prompt_ids  # noqa: E402
 
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--data-parallel-size", "2"]
 
@@ -29,10 +29,10 @@ def dp_server(default_model_path, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_dp2_server_greedy_matches_hf(dp_server, hf_default_model, default_model_path):
+def test_dp2_server_greedy_matches_hf(dp_server, hf_default_greedy, default_model_path):
     tok = load_tokenizer(default_model_path)
     prompts = oracle_prompt_ids(tok)
-    expected = [tok.decode(hf_greedy(hf_default_model, ids), skip_special_tokens=True)
+    expected = [tok.decode(hf_default_greedy(ids), skip_special_tokens=True)
                 for ids in prompts]
 
     async def run() -> list[str]:

@@ -1,0 +1,87 @@
+"""HF generate's greedy continuations of one model, shared by every test process of a checkout.
+
+Several test files check the default model's greedy output against transformers' (DP, PP on
+mp and on Ray, two nodes, the server); each used to load transformers' model (~13 s) and run
+its generate (~1 s a prompt) in its own process: once per pytest-xdist worker and once more in
+each Ray file's interpreter. The continuations are a function of the prompt, the GGUF file and
+the torch and transformers versions, so they are computed once, by whichever process asks
+first, and kept as small JSON files:
+
+    <folder>/<sha256(model identity, versions, n, prompt ids)>.json   [token id, ...]
+
+A lock file serialises the computing (the second asker waits, then reads). Without a folder
+(pytest's cache disabled) every process computes its own, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class HfGreedyOracle:
+    def __init__(self, load_model: Callable[[], Any], model_file: Path,
+                 folder: Path | None) -> None:
+        self._load_model = load_model  # called only when a continuation is missing
+        self._folder = folder
+        self._memo: dict[str, list[int]] = {}
+        self._identity = _identity(model_file)
+
+    def __call__(self, ids: list[int], n: int = 32) -> list[int]:
+        key = hashlib.sha256(json.dumps([self._identity, n, ids]).encode()).hexdigest()
+        if key not in self._memo:
+            self._memo[key] = self._stored(key) or self._compute_and_store(key, ids, n)
+        return self._memo[key]
+
+    def _stored(self, key: str) -> list[int] | None:
+        if self._folder is None:
+            return None
+        try:
+            return json.loads((self._folder / f"{key}.json").read_text())
+        except (FileNotFoundError, ValueError):  # none yet, or a torn write from a crash
+            return None
+
+    def _compute_and_store(self, key: str, ids: list[int], n: int) -> list[int]:
+        with self._locked():
+            done = self._stored(key)  # another process may have computed it while we waited
+            if done is not None:
+                return done
+            tokens = _greedy(self._load_model(), ids, n)
+            if self._folder is not None:
+                tmp = self._folder / f"{key}.{os.getpid()}.tmp"
+                tmp.write_text(json.dumps(tokens))
+                os.replace(tmp, self._folder / f"{key}.json")  # readers see all or nothing
+            return tokens
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self._folder is None:
+            yield
+            return
+        with open(self._folder / "lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also on a crash
+            yield
+
+
+def _identity(model_file: Path) -> list[Any]:
+    import torch
+    import transformers
+
+    stat = model_file.stat()
+    return [str(model_file.resolve()), stat.st_size, stat.st_mtime_ns, torch.__version__,
+            transformers.__version__]
+
+
+def _greedy(hf_model: Any, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                eos_token_id=2)
+    return ref[0, len(ids):].tolist()
