@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from shardserve.executor.ray import cluster
+from tests.conftest import our_segments as family_segments
 
 # No token file in ~/.ray, no usage report; RAY_TMPDIR is set to the temporary directory.
 _ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -92,7 +93,8 @@ def assert_no_ray_processes(timeout_s: float = 30.0) -> None:
 
 
 def our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if "shardserve" in n}
+    """This process tree's segments (the main part of the suite runs beside the Ray files)."""
+    return set(family_segments())
 
 
 def nothing_left(segments_before: set[str], timeout_s: float = 20.0) -> None:
