@@ -85,9 +85,10 @@ def test_default_model_matches_hf(ray_cluster, hf_default_greedy, mode, pp, asyn
         llm.shutdown()
 
 
-# Every mode in the default (async) mode, sync once (the same reasoning as above).
-@pytest.mark.parametrize(("mode", "async_on"), [*((m, True) for m in MODES), ("ray-actors", False)],
-                         ids=[*(f"{m}-async" for m in MODES), "ray-actors-sync"])
+# Every mode in the default (async) mode; sync scheduling with stages is
+# test_default_model_matches_hf[ray_v2-2-sync] here and mp's test_tp2_pp2_equals_uni[sync].
+@pytest.mark.parametrize(("mode", "async_on"), [(m, True) for m in MODES],
+                         ids=[f"{m}-async" for m in MODES])
 def test_tp2_pp2_equals_uni(ray_cluster, four_layer_model, pp_uni_results, mode, async_on):
     tokens, stop_text, want = pp_uni_results
     llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128, seed=0,
