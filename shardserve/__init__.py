@@ -7,12 +7,15 @@ from shardserve.engine.llm_engine import LLMEngine
 from shardserve.entrypoints.llm import LLM
 from shardserve.errors import EngineDeadError
 from shardserve.inputs import TextPrompt, TokensPrompt
-from shardserve.outputs import CompletionOutput, RequestOutput
+from shardserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from shardserve.pooling_params import PoolerConfig, PoolingParams
 from shardserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "CompletionOutput",
            "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
+
+__all__ += ["EmbeddingRequestOutput", "PoolerConfig", "PoolingParams"]
 
 _ASYNC = {"AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs"}
 

@@ -96,6 +96,10 @@ class ModelRunnerOutput:
     # Requests that asked for prompt logprobs and computed prompt tokens this step (a prefill
     # chunk, maybe without a sample) → PromptLogprobs of the positions the chunk covered.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # Pooling requests (runner="pooling") whose prompt completed this step -> the pooled
+    # hidden state, float32 [hidden_size] (normalized when asked). They sample nothing, so
+    # they are not in req_ids. Computed on the last pipeline stage, sent by the output rank.
+    pooler_output: dict[str, np.ndarray] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
@@ -114,6 +118,8 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, tuple[float, int]]] | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request's result (it ends with this output): float32 [hidden_size].
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -51,3 +52,24 @@ class RequestOutput:
     # Prompt tokens whose KV came from a cache instead of being computed (no prefix caching
     # yet: always 0).
     num_cached_tokens: int = 0
+    # A pooling request's vector (numpy float32 [hidden_size]); LLM.embed wraps it below.
+    pooled: Any = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped like vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

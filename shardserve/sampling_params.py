@@ -15,6 +15,10 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardserve.pooling_params import PoolingSpec
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does: dividing logits by
 # a near-zero temperature would overflow and is argmax in the limit anyway.
@@ -247,6 +251,9 @@ class SamplingParams:
     # bad_words as token-id sequences, filled in by the front end's input processor (each
     # word's tokenizations with and without a leading space); the workers ban by these.
     bad_words_token_ids: list[list[int]] | None = None
+    # Set by LLM.embed and /v1/embeddings, not by users: a pooling request (a prefill that
+    # samples nothing and returns the pooled hidden state; see pooling_params.py).
+    pooling: PoolingSpec | None = None
 
     def __post_init__(self) -> None:
         self._coerce_types()

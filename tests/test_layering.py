@@ -29,6 +29,7 @@ LAYERS = {
     "distributed": 0,
     "envs": 0,
     "sampling_params": 0,
+    "pooling_params": 0,
     "messages": 0,
     "errors": 0,
     "outputs": 0,

@@ -10,11 +10,16 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardserve.config.checks import check
 from shardserve.config.model_arch import ModelArch
+from shardserve.config.pooler import resolve_runner
+
+if TYPE_CHECKING:
+    from shardserve.pooling_params import PoolerConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,9 +103,24 @@ class ModelConfig:
     Q5_K, Q6_K; other types are dequantized); int8: quantize the decoder's linear weights per
     output channel at load; none: dequantize everything to dtype. auto: gguf for a quantized
     GGUF file when dtype is auto, else none. CPU only. The construction path resolves auto."""
+    runner: str = "generate"
+    """generate (sample tokens) or pooling (one embedding a prompt: LLM.embed,
+    /v1/embeddings); auto: generate, or pooling with convert=embed."""
+    convert: str = "auto"
+    """With runner=pooling: embed (auto means it) pools the causal LM's final hidden states."""
+    pooler_config: PoolerConfig | dict | str | None = None
+    """With runner=pooling: pooling_type (LAST, MEAN or CLS; default LAST) and normalize
+    (default true), as a JSON object on the command line."""
+    override_pooler_config: PoolerConfig | dict | str | None = None
+    """vLLM's older name for pooler_config."""
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        resolved = resolve_runner(self.runner, self.convert, self.pooler_config,
+                                  self.override_pooler_config)
+        for name, value in zip(("runner", "convert", "pooler_config"), resolved, strict=True):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "override_pooler_config", None)  # merged into pooler_config
         if self.tokenizer_path is None:
             object.__setattr__(self, "tokenizer_path", self.path)
         resolve_dtype(self.dtype, self.device)  # validates the name
@@ -122,6 +142,10 @@ class ModelConfig:
         check(self.tokenizer_mode in ("auto", "hf"),
               f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use auto (or hf): "
               f"the model's fast tokenizer")
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shardserve.config import EngineConfig
+from shardserve.engine.pooling import check_runner
 from shardserve.engine.request import Request
 from shardserve.engine.structured_output import check_grammar
 from shardserve.sampling_params import SamplingParams
@@ -115,6 +116,7 @@ class InputProcessor:
         a token id outside the vocabulary)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_runner(self.config, params)  # generation on a pooling engine, or the reverse
         params.check_token_ids(self.vocab_size)
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)

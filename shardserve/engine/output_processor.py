@@ -65,6 +65,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     tokens_handed_out: int = 0  # the longest child's tokens in the last output handed out
+    pooled: Any = None  # a pooling request's vector (EngineCoreOutput.pooled)
 
     @property
     def finished(self) -> bool:
@@ -130,6 +131,8 @@ class OutputProcessor:
                 # request with n > 1, kept for its other children, would never end.
                 continue
             self._note_times(state, out)
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.prompt_logprobs)
             if self._update_child(child, out):
@@ -283,6 +286,7 @@ class OutputProcessor:
             finished=finished,
             metrics=dataclasses.replace(state.metrics),
             num_cached_tokens=state.num_cached_tokens,
+            pooled=state.pooled,
             prompt_logprobs=list(state.prompt_logprobs) if finished
             and state.prompt_logprobs is not None else None,
         )

@@ -237,8 +237,10 @@ class Scheduler:
         return self.kv.cached_prefix(request.all_token_ids, request.num_tokens - 1)
 
     def _may_use_cache(self, request: Request) -> bool:
+        pooling = request.sampling_params.pooling  # MEAN and CLS pool every position
         return (self.kv.enable_prefix_caching and not request.num_computed_tokens
-                and request.sampling_params.prompt_logprobs is None)
+                and request.sampling_params.prompt_logprobs is None
+                and not (pooling is not None and pooling.needs_every_position))
 
     def _end_outside(self, request: Request, why: str) -> None:
         logger.error("request %s: %s; it ends (finish_reason abort)", request.request_id, why)
@@ -298,6 +300,21 @@ class Scheduler:
         # Prefill chunks that sampled nothing still report their prompt logprobs.
         outputs += [EngineCoreOutput(rid, [], prompt_logprobs=lps)
                     for rid, lps in prompt_logprobs.items() if rid in self.requests]
+        return outputs + self._finish_pooled(output)
+
+    def _finish_pooled(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Pooling requests end with their vector (their KV blocks are freed; full ones stay
+        in the prefix cache). Their prefill counted a placeholder for a token never sampled
+        (max_tokens=1, so nothing more was scheduled for them)."""
+        outputs = []
+        for rid, vector in (output.pooler_output or {}).items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue  # aborted while the step ran
+            request.num_output_placeholders -= 1
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=
+                                            request.num_cached_tokens, pooled=vector))
         return outputs
 
     def _advance_grammar(self, request: Request, token: int) -> None:

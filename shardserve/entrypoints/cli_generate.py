@@ -43,7 +43,9 @@ _SAMPLING_HELP = {
 
 
 def sampling_flags():
-    return dataclass_flags(SamplingParams, "sampling", extra_help=_SAMPLING_HELP)
+    # `pooling` is set by LLM.embed, not a user's option.
+    return dataclass_flags(SamplingParams, "sampling", frozenset({"pooling"}),
+                           extra_help=_SAMPLING_HELP)
 
 
 @dataclass

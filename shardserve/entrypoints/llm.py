@@ -12,8 +12,10 @@ from tqdm import tqdm
 
 from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.llm_engine import LLMEngine, PromptType
+from shardserve.engine.pooling import embedding_output, pooling_params_list
 from shardserve.model.loader import generation_defaults
-from shardserve.outputs import RequestOutput
+from shardserve.outputs import EmbeddingRequestOutput, RequestOutput
+from shardserve.pooling_params import PoolingParams
 from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,18 @@ class LLM:
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool | Callable[..., tqdm] = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's embed (needs runner="pooling"): one EmbeddingRequestOutput per prompt, its
+        `.outputs.embedding` pooled as the engine's pooler_config says (see
+        engine/pooling.py); batched with the same scheduler as generation."""
+        prompt_list = _as_prompt_list(prompts)
+        params = pooling_params_list(self.config, pooling_params, len(prompt_list),
+                                     truncate_prompt_tokens)
+        return [embedding_output(out) for out in self.generate(prompt_list, params, use_tqdm)]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's own defaults (its generation_config.json:

@@ -43,6 +43,7 @@ from shardserve.model.sampler import (
     apply_token_bitmask_,
     gather_logprobs,
 )
+from shardserve.worker.pooler import RequestPooler
 
 
 @dataclass
@@ -74,6 +75,7 @@ class _PendingSample:
     states: list[CachedRequestState]
     logits: torch.Tensor | None  # None when no request samples (prompt logprobs only)
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    pooled: dict[str, np.ndarray] | None = None  # pooling requests done this step
 
 
 class ModelRunner:
@@ -88,6 +90,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.pooler = RequestPooler()  # runner="pooling": see pooler.py
         self.generator = torch.Generator().manual_seed(config.model_config.seed)
         self._pending: _PendingSample | None = None
         self.tokens_from_scheduler = config.parallel_config.pipeline_parallel_size > 1
@@ -157,6 +160,7 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.pooler.drop(rid)
         for new in so.scheduled_new_reqs:
             sampling = RequestSamplingState(
                 params=new.sampling_params,
@@ -199,11 +203,14 @@ class ModelRunner:
                 s.num_computed_tokens += n
             return
         prompt_logprobs = self._prompt_logprobs(states, query_lens, hidden)
-        # Only requests whose every token is now computed get a new token (not mid-prefill ones).
+        specs = [s.sampling.params.pooling for s in states]
+        pooled = self.pooler.pool(states, specs, query_lens, hidden) if any(specs) else None
+        # Only requests whose every token is now computed get a new token (not mid-prefill
+        # ones); a pooling request samples nothing.
         rows = [
             i
             for i, (s, n) in enumerate(zip(states, query_lens, strict=True))
-            if s.num_computed_tokens + n == s.num_tokens
+            if s.num_computed_tokens + n == s.num_tokens and specs[i] is None
         ]
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
@@ -211,8 +218,9 @@ class ModelRunner:
         if rows:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
             logits = self._require_model().compute_logits(hidden[idx])
-        if rows or prompt_logprobs:
-            self._pending = _PendingSample([states[i] for i in rows], logits, prompt_logprobs)
+        if rows or prompt_logprobs or pooled:
+            self._pending = _PendingSample([states[i] for i in rows], logits, prompt_logprobs,
+                                           pooled)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], query_lens: list[int],
                          hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
@@ -288,6 +296,7 @@ class ModelRunner:
             else:
                 out = self._sample(pending, grammar_output)
             out.prompt_logprobs = pending.prompt_logprobs or None
+            out.pooler_output = pending.pooled or None
             return out
         finally:
             self._last_step_end = time.perf_counter()

@@ -23,6 +23,7 @@ from shardserve.engine.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.engine.dp_router import NoReplicaError
 from shardserve.entrypoints.server.admin import ADMIN_PATHS, add_admin_routes
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
+from shardserve.entrypoints.server.embeddings import add_embedding_routes, add_generation_guard
 from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -56,9 +57,11 @@ def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
     app = FastAPI(title="shardserve", lifespan=lifespan, **urls)
     app.state.serving = serving
     _add_error_handlers(app)
+    add_generation_guard(app, serving)  # --runner pooling: generation endpoints answer 400
     if api_key:
         _add_api_key_check(app, api_key)
     _add_routes(app, serving)
+    add_embedding_routes(app, serving)
     add_admin_routes(app, client, api_key)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     return app
