@@ -20,6 +20,8 @@ from shardserve.config.parallel import MultiNodeConfig, ParallelConfig, RayConfi
 
 logger = logging.getLogger(__name__)
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -74,8 +76,16 @@ class SchedulerConfig:
     async_scheduling: bool = True
     """Plan step N+1 while step N runs (two steps in flight); the workers feed each request the
     token they sampled themselves. Outputs equal the synchronous engine's."""
+    scheduling_policy: str = "fcfs"
+    """fcfs: requests run in arrival order; priority: by each request's priority (lower value
+    first, ties by arrival), and a full KV cache preempts the least important first."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy={self.scheduling_policy!r} is not supported; choose one of: "
+            f"{', '.join(SCHEDULING_POLICIES)}",
+        )
         _check(
             isinstance(self.async_scheduling, bool),
             f"async_scheduling={self.async_scheduling!r} must be True or False",

@@ -216,12 +216,13 @@ class AsyncEngineClient:
             )
 
     async def generate(
-        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
+        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs until finished. Leaving early (a disconnect, cancellation)
         aborts the request so its KV blocks are freed."""
         self.check_alive()
-        queue = await self._add_request(request_id, prompt, params)
+        queue = await self._add_request(request_id, prompt, params, priority)
         self._num_engine_requests += params.n
         finished = False
         try:
@@ -236,9 +237,10 @@ class AsyncEngineClient:
                 await self.abort(request_id)
 
     async def _add_request(
-        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams
+        self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams,
+        priority: int = 0,
     ) -> _OutputCollector:
-        req = self.inputs.process(request_id, prompt, params)
+        req = self.inputs.process(request_id, prompt, params, priority)
         ids, children = req.prompt_token_ids, req.children
         core_requests = req.core_requests()
         # First, as it may refuse (every replica asleep): nothing is registered then.

@@ -10,6 +10,7 @@ request raises a ValueError for its caller and never disturbs the requests alrea
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,11 +36,12 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
 
     def to_request(self) -> Request:
         """The engine core's own bookkeeping object for it (built on the core's side)."""
         return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
-                       eos_token_ids=self.eos_token_ids)
+                       eos_token_ids=self.eos_token_ids, priority=self.priority)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,11 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     children: dict[str, SamplingParams]
     eos_token_ids: tuple[int, ...]
+    priority: int = 0
 
     def core_requests(self) -> list[EngineCoreRequest]:
-        return [EngineCoreRequest(child_id, self.prompt_token_ids, params, self.eos_token_ids)
+        return [EngineCoreRequest(child_id, self.prompt_token_ids, params, self.eos_token_ids,
+                                  self.priority)
                 for child_id, params in self.children.items()]
 
 
@@ -121,6 +125,19 @@ class InputProcessor:
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
 
+    def check_priority(self, priority: Any) -> int:
+        """The request's priority as an int; ValueError for a non-integer, or for a priority
+        other than 0 when the engine does not schedule by priority (as vLLM refuses it)."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        policy = self.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs priority scheduling, but this engine runs "
+                f"scheduling_policy={policy!r}; start it with scheduling_policy='priority' "
+                f"(--scheduling-policy priority) or leave priority at 0")
+        return int(priority)
+
     def with_bad_words(self, params: SamplingParams) -> SamplingParams:
         """params with bad_words as token-id sequences for the workers (a copy: the caller's
         object may be reused with another request)."""
@@ -131,10 +148,11 @@ class InputProcessor:
         return dataclasses.replace(params, bad_words_token_ids=sequences)
 
     def process(self, request_id: str, prompt: PromptType | tuple[str | None, list[int]],
-                params: SamplingParams) -> ProcessedRequest:
+                params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Check everything and fan `n` out; `prompt` may already be (text, ids) from
         process_prompt."""
         self.check_params(params)
+        priority = self.check_priority(priority)
         truncate = params.truncate_prompt_tokens
         if isinstance(prompt, tuple):
             text, ids = prompt[0], self.truncated(prompt[1], truncate)
@@ -146,7 +164,7 @@ class InputProcessor:
             for i in range(params.n)
         }
         eos = self.config.model_config.arch.eos_token_ids
-        return ProcessedRequest(request_id, text, ids, children, eos)
+        return ProcessedRequest(request_id, text, ids, children, eos, priority)
 
 
 def bad_words_token_ids(tokenizer: Encoder, words: list[str],

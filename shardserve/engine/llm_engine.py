@@ -79,9 +79,11 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType | tuple[str | None, list[int]],
         params: SamplingParams,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; `prompt` may already be processed (text, ids) by process_prompt."""
-        req = self.inputs.process(request_id, prompt, params)
+        """Queue a request; `prompt` may already be processed (text, ids) by process_prompt.
+        `priority` needs scheduling_policy="priority" (lower value first)."""
+        req = self.inputs.process(request_id, prompt, params, priority)
         self._warn_if_cut(len(req.prompt_token_ids), params.max_tokens)
         self.processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.children)
         self.client.add_requests(req.core_requests())

@@ -43,6 +43,7 @@ class Request:
     # Structured outputs: the engine core's RequestGrammar (set on arrival there; never sent on).
     grammar: Any = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    priority: int = 0  # scheduling_policy="priority": lower runs first (request_queue.py)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """Continuous batching: which requests run this step, and how many tokens each.
 
 Each step spends a token budget (`max_num_batched_tokens`) first on running requests (one token
-per decode, a chunk for an unfinished prefill), then admits waiting requests in arrival order.
-When the block pool runs dry, the most recently admitted running request is preempted: its blocks
+per decode, a chunk for an unfinished prefill), then admits waiting requests in the policy's
+order (request_queue.py: arrival, or priority then arrival). When the block pool runs dry, the
+last running request in that order (fcfs: the most recently admitted) is preempted: its blocks
 are freed and it is recomputed from scratch later (preemption by recompute).
 
 Asynchronous scheduling: a request's `num_computed_tokens` advances when its tokens are
@@ -25,11 +26,11 @@ workers have not been sent yet (`CachedRequestData.new_token_ids`).
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from shardserve.config import SchedulerConfig
 from shardserve.engine.kv_cache import KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
+from shardserve.engine.request_queue import RequestQueue, make_request_queue
 from shardserve.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -52,7 +53,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = make_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         # Requests the workers still hold state for and must be told to drop.
         self._finished_ids: set[str] = set()
@@ -64,7 +65,7 @@ class Scheduler:
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -132,8 +133,9 @@ class Scheduler:
                 continue
             new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             if new_blocks is None:
-                # The newest admitted request goes first. It sits at index >= i, so it has not
-                # been scheduled in this step; if it is this request, the loop ends.
+                # The last in the policy's order goes first (see request_queue.py). It sits at
+                # index >= i, so it has not been scheduled in this step; if it is this request,
+                # the loop ends.
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -187,9 +189,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and len(num_tokens) < self._seq_cap
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.ready:
-                compiling.append(self.waiting.popleft())
+                compiling.append(self.waiting.pop())
                 continue
             if request.grammar is not None and request.grammar.failed:
                 self._end_outside(request, request.grammar.failed)
@@ -209,10 +211,10 @@ class Scheduler:
             if prefix:
                 request.num_computed_tokens = start
                 request.num_cached_tokens = max(request.num_cached_tokens, start)
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_output_tokens_sent = len(request.output_token_ids)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.waiting.place_running(self.running, request)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -226,7 +228,7 @@ class Scheduler:
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.put_back(compiling)
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks for a request that holds none yet (new, or preempted), leaving at
@@ -263,7 +265,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.total_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.put_back([request])
 
     # ---- results back ----
     def update_from_output(

@@ -39,14 +39,16 @@ class AsyncLLM:
         return self._client.tokenizer
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | dict,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """RequestOutputs of one request as it runs (the last has finished=True)."""
+                       request_id: str, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one request as it runs (the last has finished=True); `priority`
+        needs scheduling_policy="priority" (lower value first)."""
         await self._start()
         params = sampling_params if isinstance(sampling_params, SamplingParams) \
             else SamplingParams(**sampling_params)
         self._client.inputs.check_params(params)
+        self._client.inputs.check_priority(priority)
         processed = self._client.inputs.process_prompt(prompt, params.truncate_prompt_tokens)
-        async for output in self._client.generate(request_id, processed, params):
+        async for output in self._client.generate(request_id, processed, params, priority):
             yield output
 
     async def abort(self, request_id: str) -> None:
