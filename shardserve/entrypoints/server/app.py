@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.engine.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.engine.dp_router import NoReplicaError
+from shardserve.entrypoints.server import responses_api
 from shardserve.entrypoints.server.admin import ADMIN_PATHS, add_admin_routes
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
 from shardserve.entrypoints.server.embeddings import add_embedding_routes, add_generation_guard
@@ -33,6 +34,7 @@ from shardserve.entrypoints.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from shardserve.entrypoints.server.responses_protocol import ResponsesRequest
 from shardserve.entrypoints.server.serving import OpenAIServing
 from shardserve.errors import EngineDeadError
 
@@ -77,6 +79,10 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
         return await serving.respond(serving.chat_job(body), raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: HTTPRequest):
+        return await responses_api.respond(serving, body, raw)
 
     def card() -> dict[str, Any]:
         return {"id": serving.served_name, "object": "model", "created": int(time.time()),

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,6 +44,9 @@ from shardserve.entrypoints.server.tool_calls import ToolMode, tool_mode
 from shardserve.errors import EngineDeadError
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shardserve.entrypoints.server.responses_api import ResponsesView
 
 logger = logging.getLogger(__name__)
 
@@ -199,14 +202,17 @@ class OpenAIServing:
         return {"prompt": await self.prompts.decode(req.tokens)}
 
     # ---- running a job ----
-    async def respond(self, job_to_build: Awaitable[_Job], raw: HTTPRequest):
+    async def respond(self, job_to_build: Awaitable[_Job], raw: HTTPRequest,
+                      view: ResponsesView | None = None):
         """Build the job (completion_job's or chat_job's: tokenizing runs off the event loop)
-        and answer it: JSON, or an SSE stream."""
+        and answer it: JSON, or an SSE stream; `view` reshapes a chat job's body and stream
+        into another API's (/v1/responses)."""
         job = await job_to_build
         # Before any response starts: a stream's 200 would leave only an error event to send.
         self.client.admit(len(job.prompts) * job.n)
         if job.stream:
-            return StreamingResponse(self._sse(job), media_type="text/event-stream")
+            events = self._sse(job) if view is None else self._view_events(job, view)
+            return StreamingResponse(events, media_type="text/event-stream")
         work = asyncio.ensure_future(self._collect(job))
         disconnect = asyncio.ensure_future(_wait_disconnect(raw))
         try:
@@ -220,7 +226,12 @@ class OpenAIServing:
         if work.cancelled():
             return JSONResponse(error_body("client disconnected", "ClientDisconnect", None, 499),
                                 status_code=499)
-        return JSONResponse(work.result())
+        return JSONResponse(work.result() if view is None else view.body(job, work.result()))
+
+    def _view_events(self, job: _Job, view: ResponsesView) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        outputs = _recorded(_merge(self._streams(job)), finals)
+        return view.events(job, job.format.stream(outputs, job.n, job.params[0].stop), finals)
 
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
         return [self.client.generate(f"{job.request_id}-{i}", prompt, params)
