@@ -97,6 +97,7 @@ def test_mean_and_cls_across_prefill_chunks_equal_hf(tiny_qwen2_dir, pooling):
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
                                       {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_mp_parallel_equals_uni(tiny_llama_dir, llama_last, parallel):
+    # With stages the vector comes from the last stage's output rank (mp response queue).
     _, outs, _ = llama_last
     llm = LLM(str(tiny_llama_dir), runner="pooling", **TINY,
               distributed_executor_backend="mp", **parallel)
