@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -32,11 +33,14 @@ from shardserve.entrypoints.server.serving import OpenAIServing
 from shardserve.pooling_params import PoolingParams
 from shardserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Other fields are served without them and named in one log line (as the other routes).
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -94,6 +98,8 @@ async def embed(serving: OpenAIServing, req: EmbeddingRequest) -> dict[str, Any]
         raise ServerError(400, "/v1/embeddings needs a server started with --runner pooling; "
                           "this one runs --runner generate (completions and chat)", "model")
     serving.check_model(req.model)
+    if req.model_extra:
+        logger.info("ignored /v1/embeddings fields: %s", ", ".join(sorted(req.model_extra)))
     texts = req.inputs()
     if not texts:
         raise ServerError(400, "input is empty; give a string, a list of strings or token "
