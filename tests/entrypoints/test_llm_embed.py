@@ -75,17 +75,28 @@ def test_token_ids_and_normalize_false(llama_last):
     assert np.allclose(raw, hidden[1][-1].numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("pooling", ["MEAN", "CLS"])
-def test_mean_and_cls_across_prefill_chunks_equal_hf(tiny_qwen2_dir, pooling):
-    # A 24-token budget splits the longer prompts into several chunks; MEAN sums across them.
-    llm = LLM(str(tiny_qwen2_dir), runner="pooling", convert="embed", **TINY,
-              max_num_batched_tokens=24, block_size=8,
+# A 24-token budget splits the longer prompts into several chunks (MEAN sums across them).
+# With 7 blocks of 8, the next prompt's first chunk takes the last block while the 43-token
+# one still holds 6 (its vector not back yet): the next step preempts it mid-prompt, and it
+# is recomputed from the start.
+CHUNKED = {"max_num_batched_tokens": 24, "block_size": 8}
+PREEMPTED = {**CHUNKED, "num_blocks_override": 7, "max_model_len": 48}
+
+
+@pytest.mark.parametrize(("pooling", "options"), [("MEAN", CHUNKED), ("CLS", CHUNKED),
+                                                  ("MEAN", PREEMPTED)],
+                         ids=["mean-chunked", "cls-chunked", "mean-preempted"])
+def test_mean_and_cls_across_prefill_chunks_equal_hf(tiny_qwen2_dir, pooling, options):
+    llm = LLM(str(tiny_qwen2_dir), runner="pooling", convert="embed", **{**TINY, **options},
               pooler_config={"pooling_type": pooling, "normalize": False})
     try:
-        outs = llm.embed(TEXTS + TEXTS[:1], use_tqdm=False)  # the repeat: a prefix-cache hit?
+        texts = TEXTS[:3] if "num_blocks_override" in options else TEXTS
+        outs = llm.embed(texts + TEXTS[:1], use_tqdm=False)  # the repeat: a prefix-cache hit?
         assert llm.engine.core.scheduler.kv.stats.hits == 0  # MEAN/CLS compute every position
+        preemptions = llm.engine.core.scheduler.total_preemptions
     finally:
         llm.shutdown()
+    assert (preemptions > 0) == ("num_blocks_override" in options)
     hidden = _hf_hidden(tiny_qwen2_dir, [o.prompt_token_ids for o in outs])
     assert max(len(o.prompt_token_ids) for o in outs) > 24
     for out, h in zip(outs, hidden, strict=True):
