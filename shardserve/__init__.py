@@ -9,11 +9,11 @@ from shardserve.errors import EngineDeadError
 from shardserve.inputs import TextPrompt, TokensPrompt
 from shardserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolerConfig, PoolingParams
-from shardserve.sampling_params import SamplingParams, StructuredOutputsParams
+from shardserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "CompletionOutput",
-           "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "BeamSearchParams",
+           "CompletionOutput", "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
 
 __all__ += ["EmbeddingRequestOutput", "PoolerConfig", "PoolingParams"]
 

@@ -366,3 +366,36 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters, as vLLM's: `beam_width` beams kept per prompt, each grown
+    by up to `max_tokens` tokens; `length_penalty` is the exponent of the sequence length that
+    divides a beam's cumulative logprob when beams are ranked; `temperature` is that of the
+    token sampled beside the top 2 * beam_width ones each step (0: argmax)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the server's text keeps the EOS token's text
+
+    def __post_init__(self) -> None:
+        self.beam_width = _int("beam_width", self.beam_width)
+        self.max_tokens = _int("max_tokens", self.max_tokens)
+        self.temperature = _real("temperature", self.temperature)
+        self.length_penalty = _real("length_penalty", self.length_penalty)
+        _bool("ignore_eos", self.ignore_eos)
+        _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        # Each step asks for 2 * beam_width logprobs per beam, at most MAX_LOGPROBS.
+        widest = MAX_LOGPROBS // 2
+        if not 1 <= self.beam_width <= widest:
+            raise ValueError(f"beam_width must be in [1, {widest}] (each step takes the top "
+                             f"2 * beam_width logprobs, at most {MAX_LOGPROBS}), got "
+                             f"{self.beam_width!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
