@@ -2,8 +2,12 @@
 transformers' AutoModel on the same weights, in one run: interleaved rounds (the first side
 rotating), the median of per-round ratios, both sides on the same torch thread count.
 
-    python bench/embed.py [--rounds 3] [--model PATH] [--dtype float32] [--threads N]
-                          [--singles 16] [--batch 64]
+    python bench/embed.py [--rounds 3] [--model PATH] [--dtype float32] [--ours auto,float32]
+                          [--threads N] [--singles 16] [--batch 64]
+
+transformers runs in --dtype; shardserve once per --ours dtype ("auto" on the default GGUF
+computes from its quantized blocks where the CPU has no native bfloat16), each a side of its
+own.
 
 Both sides get the same token ids (tokenization is not timed on either side). Batch 1: --singles
 prompts one call each; batch --batch: one call with all of them (HF pads to the longest and
@@ -23,7 +27,7 @@ from _rounds import Rounds, make_prompts, rotated, spread
 from shardserve import LLM
 from shardserve.model.loader import default_model_path
 
-SIDES = ["shardserve", "transformers"]
+HF = "transformers"
 
 
 class HfSide:
@@ -70,47 +74,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--ours", default="auto,float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--singles", type=int, default=16)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, runner="pooling", dtype=args.dtype, max_model_len=512,
-              max_num_seqs=args.batch)
+    engines = {f"shardserve {d}": LLM(args.model, runner="pooling", dtype=d, max_model_len=512,
+                                      max_num_seqs=args.batch) for d in args.ours.split(",")}
     hf = HfSide(args.model, getattr(torch, args.dtype))
-    torch.set_num_threads(args.threads)  # the same count for both sides, whatever LLM set
-    tok = llm.get_tokenizer()
+    torch.set_num_threads(args.threads)  # the same count for every side, whatever LLM set
+    tok = next(iter(engines.values())).get_tokenizer()
     texts = [f"{p} {p.lower()} and what follows from it" for p in make_prompts(args.batch)]
     batch = [tok.encode(t) for t in texts]
     singles = batch[:args.singles]
-    sides = {"shardserve": lambda b: ours(llm, b), "transformers": hf.embed}
-    cosine = torch.nn.functional.cosine_similarity(ours(llm, batch), hf.embed(batch)).min()
+    sides = {name: (lambda b, llm=llm: ours(llm, b)) for name, llm in engines.items()}
+    sides[HF] = hf.embed
+    reference = hf.embed(batch)
+    cosines = {name: float(torch.nn.functional.cosine_similarity(fn(batch), reference).min())
+               for name, fn in sides.items() if name != HF}
     samples = Rounds()
     try:
         for r in range(args.rounds):
-            for side in rotated(SIDES, r):
+            for side in rotated(list(sides), r):
                 one, many = measure(sides[side], singles, batch)
                 samples.add((side, 1), one)
                 samples.add((side, args.batch), many)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
-        llm.shutdown()
-    report(samples, args, float(cosine), sum(map(len, batch)) / len(batch))
+        for llm in engines.values():
+            llm.shutdown()
+    report(samples, args, cosines, sum(map(len, batch)) / len(batch))
 
 
-def report(samples: Rounds, args: argparse.Namespace, cosine: float, mean_len: float) -> None:
-    print(f"\n{args.dtype}, {torch.get_num_threads()} threads, {args.rounds} interleaved "
-          f"rounds; prompts of {mean_len:.0f} tokens on average; min cosine between the sides "
-          f"{cosine:.6f}")
-    print(f"{'batch':>6} {'shardserve emb/s':>17} {'transformers emb/s':>19} "
-          f"{'ratio (median)':>15} {'range':>12}")
-    for size in (1, args.batch):
-        ratios = samples.ratios(("shardserve", size), ("transformers", size))
-        print(f"{size:>6} {samples.median(('shardserve', size)):>17.1f} "
-              f"{samples.median(('transformers', size)):>19.1f} "
-              f"{samples.ratio(('shardserve', size), ('transformers', size)):>14.2f}x "
-              f"{spread(ratios):>12}")
+def report(samples: Rounds, args: argparse.Namespace, cosines: dict[str, float],
+           mean_len: float) -> None:
+    print(f"\ntransformers {args.dtype}, {torch.get_num_threads()} threads, {args.rounds} "
+          f"interleaved rounds; prompts of {mean_len:.0f} tokens on average")
+    print(f"{'side':<22} {'batch':>5} {'emb/s':>9} {'transformers':>13} {'ratio':>7} "
+          f"{'range':>12} {'min cosine':>11}")
+    for name, cosine in cosines.items():
+        for size in (1, args.batch):
+            ratios = samples.ratios((name, size), (HF, size))
+            print(f"{name:<22} {size:>5} {samples.median((name, size)):>9.1f} "
+                  f"{samples.median((HF, size)):>13.1f} "
+                  f"{samples.ratio((name, size), (HF, size)):>6.2f}x {spread(ratios):>12} "
+                  f"{cosine:>11.6f}")
 
 
 if __name__ == "__main__":
