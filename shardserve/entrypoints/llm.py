@@ -50,19 +50,22 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
+        """One RequestOutput per prompt, in input order. `priority`: one int per prompt, lower
+        first (needs scheduling_policy="priority")."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
+        priorities = self._priority_list(priority, len(prompt_list))
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         for params in params_list:
             self.engine.check_params(params)
         processed = [self.engine.process_prompt(p, params.truncate_prompt_tokens)
                      for p, params in zip(prompt_list, params_list, strict=True)]
         ids = []
-        for prompt, params in zip(processed, params_list, strict=True):
+        for prompt, params, prio in zip(processed, params_list, priorities, strict=True):
             ids.append(self.engine.next_request_id())
-            self.engine.add_request(ids[-1], prompt, params)
+            self.engine.add_request(ids[-1], prompt, params, prio)
         try:
             finished = self._run_engine(len(ids), use_tqdm)
         except BaseException:
@@ -80,6 +83,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to each conversation, then
         generate. Message content may be a string or OpenAI-style text parts; `tools` go to the
@@ -107,7 +111,7 @@ class LLM:
             # The template writes the special tokens itself.
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -138,6 +142,17 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give 1 or {n}")
         return params
+
+    def _priority_list(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        """One checked priority per prompt (all 0 when not given)."""
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, (int, str)) or not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of ints, one per prompt, got {priority!r}")
+        if len(priority) != n:
+            raise ValueError(f"got {len(priority)} priorities for {n} prompts; give one per "
+                             f"prompt")
+        return [self.engine.inputs.check_priority(p) for p in priority]
 
     def _run_engine(self, num_requests: int, use_tqdm: bool | Callable) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

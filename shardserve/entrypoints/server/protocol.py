@@ -57,7 +57,7 @@ class StreamOptions(_Strict):
 _UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "return_tokens_as_token_ids": False, "return_token_ids": None, "prompt_embeds": None,
-    "priority": 0, "spaces_between_special_tokens": True, "cache_salt": None,
+    "spaces_between_special_tokens": True, "cache_salt": None,
     "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
     "documents": None, "reasoning_effort": None, "include_reasoning": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
@@ -99,6 +99,7 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower first
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (its fields)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -63,6 +63,7 @@ class _Job:
     include_usage: bool
     format: ResponseFormat  # completion or chat JSON
     created: int = field(default_factory=lambda: int(time.time()))
+    priority: int = 0  # vLLM's extension (--scheduling-policy priority)
 
     @property
     def n(self) -> int:
@@ -140,7 +141,8 @@ class OpenAIServing:
                   for _, ids in prompts]
         await self._check_grammar(params[0])
         return _Job(f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name, prompts, params,
-                    req.stream, req.include_usage, await self._completion_format(req, prompts))
+                    req.stream, req.include_usage, await self._completion_format(req, prompts),
+                    priority=self._priority(req))
 
     async def _completion_format(self, req: CompletionRequest,
                                  prompts: list[Prompt]) -> CompletionFormat:
@@ -175,7 +177,15 @@ class OpenAIServing:
                                            None, req.num_logprobs), tools)
         await self._check_grammar(params)
         return _Job(f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name, [prompt],
-                    [params], req.stream, req.include_usage, _chat_format(params, tools))
+                    [params], req.stream, req.include_usage, _chat_format(params, tools),
+                    priority=self._priority(req))
+
+    def _priority(self, req: CompletionRequest | ChatCompletionRequest) -> int:
+        """The request's priority; a 400 naming it where the engine cannot honour it."""
+        try:
+            return self.client.inputs.check_priority(req.priority)
+        except ValueError as e:
+            raise ServerError(400, str(e), "priority") from e
 
     # ---- tokenizer endpoints ----
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -234,7 +244,7 @@ class OpenAIServing:
         return view.events(job, job.format.stream(outputs, job.n, job.params[0].stop), finals)
 
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
-        return [self.client.generate(f"{job.request_id}-{i}", prompt, params)
+        return [self.client.generate(f"{job.request_id}-{i}", prompt, params, job.priority)
                 for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))]
 
     async def _collect(self, job: _Job) -> dict[str, Any]:
