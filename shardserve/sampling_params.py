@@ -15,10 +15,8 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from shardserve.pooling_params import PoolingSpec
+from shardserve.pooling_params import PoolingSpec
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does: dividing logits by
 # a near-zero temperature would overflow and is argmax in the limit anyway.
