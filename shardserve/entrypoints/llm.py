@@ -13,10 +13,11 @@ from tqdm import tqdm
 from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.engine.llm_engine import LLMEngine, PromptType
 from shardserve.engine.pooling import embedding_output, pooling_params_list
+from shardserve.entrypoints.beam_search import BeamSearchOutput, run_beam_search
 from shardserve.model.loader import generation_defaults
 from shardserve.outputs import EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolingParams
-from shardserve.sampling_params import SamplingParams
+from shardserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,12 @@ class LLM:
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, priority)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width`
+        sequences first (see entrypoints/beam_search.py)."""
+        return run_beam_search(self, _as_prompt_list(prompts), params, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

@@ -23,6 +23,7 @@ from shardserve.engine.async_engine import AsyncEngineClient, QueueFullError
 from shardserve.engine.dp_router import NoReplicaError
 from shardserve.entrypoints.server import responses_api
 from shardserve.entrypoints.server.admin import ADMIN_PATHS, add_admin_routes
+from shardserve.entrypoints.server.beam_serving import completion_response
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
 from shardserve.entrypoints.server.embeddings import add_embedding_routes, add_generation_guard
 from shardserve.entrypoints.server.limits import ServerLimits
@@ -74,7 +75,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: HTTPRequest):
-        return await serving.respond(serving.completion_job(body), raw)
+        return await completion_response(serving, body, raw)  # use_beam_search too
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):

@@ -68,6 +68,9 @@ _UNSUPPORTED: dict[str, Any] = {
 }
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
+# Where a field refused here is served instead.
+_SERVED_ELSEWHERE = {"use_beam_search": "; beam search is served on /v1/completions",
+                     "length_penalty": "; it is beam search's, served on /v1/completions"}
 # vLLM fields this server takes that are not declared on the models (no effect here).
 _ACCEPTED = {"request_id"}
 
@@ -111,6 +114,9 @@ class _SamplingRequest(_Strict):
         extra = dict(self.model_extra or {})
         for name, neutral in _UNSUPPORTED.items():
             if name in extra and extra[name] not in (neutral, None):
+                if name in _SERVED_ELSEWHERE:
+                    raise ServerError(400, f"{name} is not supported on this endpoint"
+                                      f"{_SERVED_ELSEWHERE[name]}", name)
                 hint = (f"; use structured_outputs={{\"{_GUIDED[name]}\": ...}}"
                         if name in _GUIDED else "")
                 raise ServerError(400, f"{name} is not supported by this server{hint}", name)
@@ -180,6 +186,9 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's beam search extension (server/beam_serving.py): best_of beams, the best n returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def check_supported(self) -> list[str]:
         unknown = super().check_supported()
@@ -189,9 +198,13 @@ class CompletionRequest(_SamplingRequest):
                               "with stream false", "echo")
         if self.suffix:
             raise ServerError(400, "suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ServerError(400, f"best_of must equal n ({self.n}) when given, got "
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise ServerError(400, f"best_of must equal n ({self.n}) when given (or set "
+                              f"use_beam_search, where it is the beam width), got "
                               f"{self.best_of}", "best_of")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise ServerError(400, f"length_penalty={self.length_penalty} applies to beam "
+                              f"search only; set use_beam_search true", "length_penalty")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ServerError(400, "prompt must not be an empty list", "prompt")
         if (self.model_extra or {}).get("add_special_tokens", True) is not True:

@@ -97,7 +97,7 @@ def test_prompt_logprobs_equal_offline(tiny_server, tiny_offline):
 
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
-    ({"use_beam_search": True}, "use_beam_search", ["not supported"]),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", ["not supported"]),
     ({"guided_json": {"type": "object"}}, "guided_json", ["structured_outputs", "json"]),
     ({"logits_processors": ["x"]}, "logits_processors", ["not supported"]),
     ({"add_special_tokens": False}, "add_special_tokens", ["add_special_tokens=false"]),
