@@ -153,20 +153,23 @@ def default_model_path() -> Path:
 
 
 @functools.cache
-def _hf_default(path: Path, dtype_name: str):
-    """transformers' own load of the default GGUF (one per dtype and process)."""
-    import torch
-    import transformers
+def _hf_default(path: Path, dtype_name: str, folder: Path | None):
+    """transformers' own load of the default GGUF (one per dtype and process; the float32
+    weights saved once per checkout in pytest's cache folder: tests/hf_oracle.py)."""
+    from tests.hf_oracle import hf_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype_name)
-    ).eval()
+    return hf_model(path, dtype_name, folder)
+
+
+def _cache_folder(config: pytest.Config, name: str) -> Path | None:
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    return cache.mkdir(name) if cache is not None else None
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_model_path: Path):
-    """transformers' own float32 load of the default GGUF, the oracle (~13 s; once a session)."""
-    return _hf_default(default_model_path, "float32")
+def hf_default_model(request: pytest.FixtureRequest, default_model_path: Path):
+    """transformers' own float32 load of the default GGUF, the oracle."""
+    return _hf_default(default_model_path, "float32", _cache_folder(request.config, "hf-model"))
 
 
 @pytest.fixture(scope="session")
@@ -177,18 +180,17 @@ def hf_default_greedy(request: pytest.FixtureRequest, default_model_path: Path):
     model again; the key holds the GGUF's identity and the torch and transformers versions."""
     from tests.hf_oracle import HfGreedyOracle
 
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    folder = cache.mkdir("hf-greedy") if cache is not None else None
-    return HfGreedyOracle(lambda: _hf_default(default_model_path, "float32"),
-                          default_model_path, folder)
+    model = _cache_folder(request.config, "hf-model")
+    return HfGreedyOracle(lambda: _hf_default(default_model_path, "float32", model),
+                          default_model_path, _cache_folder(request.config, "hf-greedy"))
 
 
 @pytest.fixture(scope="session")
-def hf_default_model_bf16(default_model_path: Path):
-    """transformers' own bfloat16 load of the default GGUF (~11 s; once a session). Loaded, not
-    cast from the float32 fixture: `.to(bfloat16)` would also round buffers such as RoPE's
-    inv_freq, which HF's bfloat16 load keeps in float32."""
-    return _hf_default(default_model_path, "bfloat16")
+def hf_default_model_bf16(request: pytest.FixtureRequest, default_model_path: Path):
+    """transformers' own bfloat16 load of the default GGUF. Loaded, not cast from the float32
+    fixture: `.to(bfloat16)` would also round buffers such as RoPE's inv_freq, which HF's
+    bfloat16 load keeps in float32."""
+    return _hf_default(default_model_path, "bfloat16", _cache_folder(request.config, "hf-model"))
 
 
 def our_children() -> list[psutil.Process]:

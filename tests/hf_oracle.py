@@ -1,4 +1,5 @@
-"""HF generate's greedy continuations of one model, shared by every test process of a checkout.
+"""transformers' model of the default GGUF and its greedy continuations, shared by every test
+process of a checkout.
 
 Several test files check the default model's greedy output against transformers' (DP, PP on
 mp and on Ray, two nodes, the server); each used to load transformers' model (~13 s) and run
@@ -11,6 +12,16 @@ first, and kept as small JSON files:
 
 A lock file serialises the computing (the second asker waits, then reads). Without a folder
 (pytest's cache disabled) every process computes its own, as before.
+
+transformers' own load of the GGUF takes ~18 s a process (of which dequantizing is ~2 s), a
+load of the same float32 weights saved as safetensors ~0.3 s, so the first load is saved:
+
+    <folder>/<sha256(model identity, versions)>/   config.json, generation_config.json,
+                                                   model.safetensors (float32)
+
+Measured equal to the GGUF load (torch 2.x, the pinned transformers): every parameter and
+buffer, the logits and generate's tokens in float32, and every parameter, buffer (RoPE's
+inv_freq stays float32) and the logits when loaded as bfloat16.
 """
 
 from __future__ import annotations
@@ -59,14 +70,60 @@ class HfGreedyOracle:
                 os.replace(tmp, self._folder / f"{key}.json")  # readers see all or nothing
             return tokens
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        if self._folder is None:
-            yield
-            return
-        with open(self._folder / "lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also on a crash
-            yield
+    def _locked(self) -> contextlib.AbstractContextManager:
+        return _locked(self._folder) if self._folder is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    with open(folder / "lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, also on a crash
+        yield
+
+
+def hf_model(model_file: Path, dtype_name: str, folder: Path | None) -> Any:
+    """transformers' model of the GGUF `model_file` in `dtype_name` (eval mode)."""
+    import torch
+    import transformers
+
+    dtype = getattr(torch, dtype_name)
+    if folder is None:
+        return _from_gguf(model_file, dtype)
+    key = hashlib.sha256(json.dumps(_identity(model_file)).encode()).hexdigest()
+    saved = folder / key
+    with _locked(folder):
+        if not (saved / "model.safetensors").exists():
+            _save(_from_gguf(model_file, torch.float32), saved)
+    return transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=dtype).eval()
+
+
+def _from_gguf(model_file: Path, dtype: Any) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_file.parent, gguf_file=model_file.name, dtype=dtype).eval()
+
+
+def _save(model: Any, saved: Path) -> None:
+    """The float32 weights as a plain checkpoint (save_pretrained refuses a GGUF-loaded model;
+    the config drops the GGUF marker: these weights are not quantized)."""
+    import shutil
+
+    from safetensors.torch import save_model
+
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config
+    quantization = config.__dict__.pop("quantization_config", None)
+    try:
+        config.save_pretrained(tmp)
+    finally:
+        if quantization is not None:
+            config.quantization_config = quantization
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # tied tensors saved once
+    os.replace(tmp, saved)  # readers see a whole checkpoint or none
 
 
 def _identity(model_file: Path) -> list[Any]:
