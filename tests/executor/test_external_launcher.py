@@ -42,10 +42,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# Sync scheduling with stages is not run under torchrun (the suite's time): it is the same
+# scheduler and pipeline code as mp's test_pipeline.py::test_tp2_pp2_equals_uni[sync].
 @pytest.mark.parametrize(
     ("tp", "pp", "async_on"),
-    [(2, 1, True), (1, 2, True), (1, 2, False), (2, 2, True)],
-    ids=["tp2", "pp2-async", "pp2-sync", "tp2xpp2"],
+    [(2, 1, True), (1, 2, True), (2, 2, True)],
+    ids=["tp2", "pp2-async", "tp2xpp2"],
 )
 def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
     before = our_segments()

@@ -359,7 +359,7 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
 
         def timed() -> float:
             t0 = time.perf_counter()
-            for _ in range(3):
+            for _ in range(2):
                 llm.generate(["hello world"] * 8, params, use_tqdm=False)
             return time.perf_counter() - t0
 
@@ -382,7 +382,7 @@ def test_strangers_on_every_port_of_the_cluster_get_nothing(four_layer_model, cl
             time.sleep(0.5)
             watched = timed()
             assert_received_nothing(strangers_)
-            print(f"\n3 x 8 x 32 tokens: {alone:.2f} s alone, {watched:.2f} s with "
+            print(f"\n2 x 8 x 32 tokens: {alone:.2f} s alone, {watched:.2f} s with "
                   f"{len(strangers_)} strangers (torch's ports: {sorted(others)})")
             assert watched < 3 * alone + 2.0  # a hang-catcher: 2 cores, both "nodes" on them
         finally:

@@ -23,8 +23,10 @@ from pp_oracle import assert_matches_hf  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("pp", "async_on"), [(2, True), (2, False), (3, True)],
-                         ids=["2-async", "2-sync", "3-async"])  # PP=3: the default mode only
+# The default mode at PP=2 and PP=3; sync scheduling with stages is
+# test_tp2_pp2_equals_uni[sync] below (equal to uni on every async workload) and Ray's
+# test_default_model_matches_hf[ray_v2-2-sync] (the default model against HF).
+@pytest.mark.parametrize(("pp", "async_on"), [(2, True), (3, True)], ids=["2-async", "3-async"])
 def test_default_model_matches_hf(hf_default_greedy, pp, async_on):
     llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=pp,
               distributed_executor_backend="mp", async_scheduling=async_on)  # fmt: skip
