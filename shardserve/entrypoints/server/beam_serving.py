@@ -24,8 +24,9 @@ from shardserve.entrypoints.beam_search import (
     BeamSearchSequence,
     warn_without_prefix_caching,
 )
-from shardserve.entrypoints.server.protocol import CompletionRequest, ServerError, error_body
-from shardserve.entrypoints.server.serving import OpenAIServing, _Job, _wait_disconnect
+from shardserve.entrypoints.server.disconnect import unless_disconnected
+from shardserve.entrypoints.server.protocol import CompletionRequest, ServerError
+from shardserve.entrypoints.server.serving import OpenAIServing, _Job
 from shardserve.outputs import CompletionOutput, RequestOutput
 from shardserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -55,20 +56,8 @@ async def beam_search_response(serving: OpenAIServing, req: CompletionRequest,
     job = await serving.completion_job(req)
     params = _beam_params(req, job)
     serving.client.admit(len(job.prompts) * params.beam_width)
-    work = asyncio.ensure_future(_respond(serving, job, params))
-    disconnect = asyncio.ensure_future(_wait_disconnect(raw))
-    try:
-        await asyncio.wait([work, disconnect], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not work.done():  # the client left: cancelling aborts the step's requests
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        return JSONResponse(error_body("client disconnected", "ClientDisconnect", None, 499),
-                            status_code=499)
-    return JSONResponse(work.result())
+    body = await unless_disconnected(_respond(serving, job, params), raw)
+    return body if isinstance(body, JSONResponse) else JSONResponse(body)
 
 
 def _beam_params(req: CompletionRequest, job: _Job) -> BeamSearchParams:

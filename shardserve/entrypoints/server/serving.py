@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.structured_output import check_grammar
+from shardserve.entrypoints.server.disconnect import unless_disconnected
 from shardserve.entrypoints.server.limits import ServerLimits
 from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
 from shardserve.entrypoints.server.protocol import (
@@ -223,20 +224,10 @@ class OpenAIServing:
         if job.stream:
             events = self._sse(job) if view is None else self._view_events(job, view)
             return StreamingResponse(events, media_type="text/event-stream")
-        work = asyncio.ensure_future(self._collect(job))
-        disconnect = asyncio.ensure_future(_wait_disconnect(raw))
-        try:
-            await asyncio.wait([work, disconnect], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            if not work.done():  # the client left (or we were cancelled): abort the requests
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if work.cancelled():
-            return JSONResponse(error_body("client disconnected", "ClientDisconnect", None, 499),
-                                status_code=499)
-        return JSONResponse(work.result() if view is None else view.body(job, work.result()))
+        body = await unless_disconnected(self._collect(job), raw)
+        if isinstance(body, JSONResponse):
+            return body
+        return JSONResponse(body if view is None else view.body(job, body))
 
     def _view_events(self, job: _Job, view: ResponsesView) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
@@ -383,11 +374,3 @@ async def _merge_many(streams: list[AsyncIterator[RequestOutput]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _wait_disconnect(raw: HTTPRequest) -> None:
-    """Returns when the client disconnects (the body has been read: receive() waits for that)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
