@@ -17,6 +17,7 @@ from typing import Any
 from shardserve.config.checks import check as _check
 from shardserve.config.model import DeviceConfig, ModelConfig
 from shardserve.config.parallel import MultiNodeConfig, ParallelConfig, RayConfig
+from shardserve.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,10 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    """Speculative decoding without a draft model, as a JSON object on the command line:
+    {"method": "ngram", "num_speculative_tokens": 3} (prompt lookup; prompt_lookup_min/max,
+    default 5) or {"method": "suffix"} (suffix decoding); see shardserve/config/speculative.py."""
 
     def __post_init__(self) -> None:
         arch = self.model_config.arch
@@ -139,6 +144,7 @@ class EngineConfig:
             f"{arch.num_layers} layers; every stage needs at least one",
         )
         pc.layer_partition(arch.num_layers)  # validates pp_layer_partition
+        _resolve_speculative(self)
         _note_inapplicable(self)
         sched = self.scheduler_config
         if not sched.enable_chunked_prefill:
@@ -149,8 +155,26 @@ class EngineConfig:
             )
 
 
+def _resolve_speculative(config: EngineConfig) -> None:
+    """speculative_config as a SpeculativeConfig (from a dict or JSON), checked against the
+    rest: drafts are verified as extra query positions of a generating request."""
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    object.__setattr__(config, "speculative_config", spec)
+    if spec is None:
+        return
+    _check(not config.model_config.is_pooling,
+           "speculative_config applies to runner='generate' only (pooling samples no tokens); "
+           "drop it or set runner='generate'")
+    k, max_len = spec.num_speculative_tokens, config.model_config.max_model_len
+    _check(k < max_len, f"num_speculative_tokens={k} must be < max_model_len={max_len}")
+    budget = config.scheduler_config.max_num_batched_tokens
+    _check(k + 1 <= budget, f"num_speculative_tokens={k} needs max_num_batched_tokens >= "
+           f"{k + 1} (a verify step feeds 1 + k positions), got {budget}")
+
+
 # Which config owns a flat option; the nested Ray and multi-node configs belong to
-# ParallelConfig. ModelConfig's resolved fields (path, arch...) are not options.
+# ParallelConfig; EngineConfig owns the options that are no sub-config (speculative_config).
+# ModelConfig's resolved fields (path, arch...) are not options.
 OWNERS: dict[str, type] = {
     "device_config": DeviceConfig,
     "model_config": ModelConfig,
@@ -160,9 +184,13 @@ OWNERS: dict[str, type] = {
     "multinode": MultiNodeConfig,
     "scheduler_config": SchedulerConfig,
     "observability_config": ObservabilityConfig,
+    "engine_config": EngineConfig,
 }
 NOT_OPTIONS = {ModelConfig: {"model", "device", "path", "arch", "tokenizer_path"},
-                ParallelConfig: {"ray", "multinode"}, MultiNodeConfig: {"cluster_secret"}}
+                ParallelConfig: {"ray", "multinode"}, MultiNodeConfig: {"cluster_secret"},
+                # the sub-configs are built from their own options, not passed whole
+                EngineConfig: {f.name for f in dataclasses.fields(EngineConfig)
+                               if f.name.endswith("_config") and f.name != "speculative_config"}}
 
 
 def option_names(cls: type) -> set[str]:

@@ -36,6 +36,7 @@ from shardserve.config.engine import NOT_OPTIONS
 from shardserve.engine.config_builder import engine_config_from_kwargs
 
 ENGINE_CONFIGS: tuple[type, ...] = (
+    EngineConfig,  # its own options only (speculative_config); the sub-configs follow
     ModelConfig,
     CacheConfig,
     ParallelConfig,

@@ -34,9 +34,10 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> Engine
     parallel = ParallelConfig(ray=RayConfig(**groups.pop("ray", {})),
                               multinode=MultiNodeConfig(**groups.pop("multinode", {})),
                               **groups.pop("parallel_config", {}))
+    top = groups.pop("engine_config", {})  # EngineConfig's own options (speculative_config)
     built = {name: OWNERS[name](**kw) for name, kw in groups.items()}
     return EngineConfig(model_config=model_config, device_config=device,
-                        parallel_config=parallel, **built)
+                        parallel_config=parallel, **top, **built)
 
 
 def model_config_for(model: str | None = None, *, tokenizer: str | None = None,
