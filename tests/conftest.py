@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,19 @@ import pytest
 # the core the other file's processes need (two default-model pipelines side by side took
 # 65 s instead of 7). Set before torch loads, here and in every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _no_tqdm_monitor() -> None:
+    """transformers' progress bars (the fixtures save models) would start tqdm's monitor
+    thread, which lives on and makes every later mp engine of the test process start its
+    workers with spawn instead of fork (executor/start_method.py): slower, and not what a
+    user's script gets."""
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+
+
+_no_tqdm_monitor()
 
 def pytest_configure(config: pytest.Config) -> None:
     # A suite started with `&` from a shell without job control inherits SIGINT ignored, and so
@@ -207,6 +221,26 @@ def our_children() -> list[psutil.Process]:
     return out
 
 
+# The sampler is a process, not a thread of ours: a Python thread in the test process would
+# make the engine start its mp workers with spawn instead of fork (executor/start_method.py),
+# and every test would then pay a fresh interpreter per worker (test_multiproc.py: 45 s
+# instead of 19), and test something users do not run. It prints each new descendant's pid.
+_SAMPLER = """
+import os, sys, time, psutil
+parent, seen = psutil.Process(int(sys.argv[1])), set()
+while parent.is_running() and os.getppid() == parent.pid:
+    try:
+        now = {c.pid for c in parent.children(recursive=True)} - seen - {os.getpid()}
+    except psutil.Error:
+        now = set()
+    if now:
+        seen |= now
+        sys.stdout.write("".join(f"{pid}\\n" for pid in now))
+        sys.stdout.flush()
+    time.sleep(float(sys.argv[2]))
+"""
+
+
 class _FamilySeen:
     """Every process this one has had as a descendant, sampled in the background: a segment
     whose creator died is still this run's if the creator was ever ours (a worker a test
@@ -217,22 +251,27 @@ class _FamilySeen:
 
     def __init__(self) -> None:
         self.pids = {os.getpid()}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="family-seen", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            self.sample()
-            time.sleep(self.PERIOD_S)
+        self._buffer = b""
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _SAMPLER, str(os.getpid()), str(self.PERIOD_S)],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        self.pids.add(self._proc.pid)
+        os.set_blocking(self._proc.stdout.fileno(), False)
 
     def sample(self) -> set[int]:
+        """What the sampler saw so far, and this moment's descendants."""
         try:
-            now = {p.pid for p in psutil.Process().children(recursive=True)}
-        except psutil.Error:  # a child vanished mid-walk: the next period sees the rest
-            now = set()
-        with self._lock:
-            self.pids |= now
-            return set(self.pids)
+            while chunk := os.read(self._proc.stdout.fileno(), 65536):
+                self._buffer += chunk
+        except BlockingIOError:  # nothing more for now
+            pass
+        *lines, self._buffer = self._buffer.split(b"\n")
+        self.pids |= {int(line) for line in lines if line}
+        try:
+            self.pids |= {p.pid for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:  # a child vanished mid-walk: the sampler has seen the rest
+            pass
+        return set(self.pids)
 
 
 _FAMILY: _FamilySeen | None = None

@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 Message = dict[str, Any]
 
 
+class _ProgressBar(tqdm):
+    """tqdm without its monitor thread: that thread outlives the bar, and a Python thread
+    left running makes the next engine of the script start its mp workers with spawn (a
+    fresh interpreter each, and the script re-imported) instead of fork (start_method.py)."""
+
+    monitor_interval = 0
+
+
 class LLM:
     """An engine for offline batch generation.
 
@@ -165,7 +173,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and num_requests > 1:
-            make = use_tqdm if callable(use_tqdm) else tqdm
+            make = use_tqdm if callable(use_tqdm) else _ProgressBar
             bar = make(total=num_requests, desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():

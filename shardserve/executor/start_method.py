@@ -17,12 +17,24 @@ import ast
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from functools import lru_cache
 
 from shardserve import envs
 from shardserve.process_setup import work_thread
 
 logger = logging.getLogger(__name__)
+
+# Threads whose owner can tell when they hold nothing a forked child could need: each maps to
+# a check, true while the thread only waits for work (see count_as_idle).
+_idle_checks: dict[threading.Thread, Callable[[], bool]] = {}
+
+
+def count_as_idle(thread: threading.Thread, idle: Callable[[], bool]) -> None:
+    """Let `thread` not stand in fork's way while `idle()` holds: it then blocks on a queue of
+    its own, which a child never touches (executor/uniproc.py's worker thread between engines).
+    Threads of unknown owners always count: any of them may hold a lock the child needs."""
+    _idle_checks[thread] = idle
 
 
 def choose_start_method() -> str:
@@ -50,11 +62,16 @@ def _why_fork_is_unsafe() -> str | None:
     if threading.current_thread() is not main:
         return "the engine is being created off the main thread"
     idle = (main, threading.main_thread())  # the latter only waits for the former
-    names = sorted(t.name for t in threading.enumerate() if t not in idle)
+    names = sorted(t.name for t in threading.enumerate()
+                   if t not in idle and not _idle_checks.get(t, _never)())
     if names:
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return f"this process runs {len(names)} other Python thread(s) ({shown})"
     return None
+
+
+def _never() -> bool:
+    return False
 
 
 def check_spawn_can_import_main() -> None:

@@ -180,3 +180,19 @@ def test_engine_left_for_exit_closes_quietly(tiny_llama_dir, tmp_path):
     assert "tokens 2" in proc.stdout
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_the_worker_thread_stands_in_forks_way_only_while_an_engine_uses_it(tiny_llama_dir):
+    """The in-process worker thread outlives its engines; between them it only waits on its
+    queue, so a later mp engine may still fork its workers (a Python thread that may hold a
+    lock rules fork out: executor/start_method.py)."""
+    from shardserve.executor.start_method import _why_fork_is_unsafe
+
+    config = engine_config_from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    first = UniProcExecutor(config)
+    second = UniProcExecutor(config)
+    assert "shardserve-worker" in (_why_fork_is_unsafe() or "")
+    first.shutdown()
+    assert "shardserve-worker" in (_why_fork_is_unsafe() or ""), "one engine still uses it"
+    second.shutdown()
+    assert "shardserve-worker" not in (_why_fork_is_unsafe() or "")
