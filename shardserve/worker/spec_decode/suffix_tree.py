@@ -22,15 +22,17 @@ from the stored token sequences instead, which gives the same counts:
      could still score higher. The better of the request's and the global store's drafts wins.
 
 Memory (the bound the options set): 8 bytes per token of each running request (prompt +
-output), and for the global store 8 bytes per token plus its bigram index entry (8 bytes, and a
-small array per distinct bigram) for at most suffix_decoding_max_cached_requests finished
-outputs; evicted outputs are overwritten at once and compacted away once they are half of the
-store, so it holds at most twice the live outputs' tokens. Nothing grows with D.
-Proposing costs O(tokens of the request) for one comparison plus O(D) small numpy calls.
+output); for the global store, 16 bytes per token (the token and its bigram chain link) plus a
+dict entry per distinct bigram, for at most suffix_decoding_max_cached_requests finished
+outputs. Evicted outputs are compacted away once they are half of the store, so it holds at
+most about twice the live outputs' tokens. Nothing grows with the depth D.
+Work per proposal: one comparison over the request's tokens, then O(D) numpy calls on at most
+_MAX_CANDIDATES occurrences; a finished output costs a Python loop over its tokens.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 import numpy as np
@@ -42,6 +44,7 @@ _PAD = -1  # never a token id: matches cannot cross it, walks stop at it
 # degenerate loop): the most recent occurrences matched, and those whose continuations are
 # counted (the shares are then estimated from that sample).
 _MAX_CANDIDATES = 1024
+_MAX_GLOBAL_CANDIDATES = 256  # walked one by one along the bigram's chain
 _MAX_COUNTED = 256
 # Scores are sums of float products: a draft replaces another only when better by more than
 # rounding, so equal scores keep the longer context (and the request's own tokens).
@@ -72,14 +75,18 @@ class _TokenBuffer:
 
 
 class _GlobalStore:
-    """Finished requests' outputs, oldest evicted first: one buffer (outputs separated by
-    _PAD) and an index bigram -> data positions of its second token, in append order."""
+    """Finished requests' outputs, oldest evicted first, in one buffer (outputs separated by
+    _PAD), indexed by bigram: `head` maps a bigram to the latest data position of its second
+    token and `prev[pos]` chains to the one before (ints only: no container per bigram for the
+    garbage collector to scan). Chains run from newest to oldest, so a lookup stops at the
+    first evicted position."""
 
     def __init__(self, max_requests: int) -> None:
         self.max_requests = max_requests
         self.buf = _TokenBuffer()
         self.segments: deque[tuple[int, int]] = deque()  # (start, end) data indexes
-        self.index: dict[int, list[int]] = {}
+        self.head: dict[int, int] = {}
+        self.prev = array("q", [-1])  # one entry per data index (the leading _PAD's first)
         self.live_tokens = 0
 
     def add(self, tokens: np.ndarray) -> None:
@@ -89,7 +96,7 @@ class _GlobalStore:
         self._append(tokens)
         while len(self.segments) > self.max_requests:
             start, end = self.segments.popleft()
-            self.buf.data[start:end] = _PAD  # its stale index entries can no longer match
+            self.buf.data[start:end] = _PAD
             self.live_tokens -= end - start
         if self.buf.size > 2 * (self.live_tokens + len(self.segments)) + 1024:
             self._compact()
@@ -97,13 +104,12 @@ class _GlobalStore:
     def _append(self, tokens: np.ndarray) -> None:
         start = self.buf.extend(np.append(tokens, _PAD))  # the _PAD separates outputs
         keys = (tokens[:-1] << 32) | tokens[1:]  # ids < 2**31: one key per bigram
-        index = self.index
+        head, chain = self.head, [-1]  # the first token continues no bigram of this output
         for pos, key in enumerate(keys.tolist(), start + 1):
-            bucket = index.get(key)
-            if bucket is None:
-                index[key] = [pos]
-            else:
-                bucket.append(pos)
+            chain.append(head.get(key, -1))
+            head[key] = pos
+        chain.append(-1)  # the separating _PAD
+        self.prev.extend(chain)
         self.segments.append((start, start + tokens.shape[0]))
         self.live_tokens += tokens.shape[0]
 
@@ -111,19 +117,22 @@ class _GlobalStore:
         """Rebuild without the evicted outputs: amortized O(1) a token, since it runs only
         once they are half of the buffer."""
         live = [self.buf.data[start:end].copy() for start, end in self.segments]
-        self.buf, self.segments, self.index, self.live_tokens = _TokenBuffer(), deque(), {}, 0
+        self.buf, self.segments, self.live_tokens = _TokenBuffer(), deque(), 0
+        self.head, self.prev = {}, array("q", [-1])
         for tokens in live:
             self._append(tokens)
 
     def candidates(self, pattern: np.ndarray) -> np.ndarray:
-        """Data positions where pattern's last two tokens occur (the most recent ones)."""
+        """Data positions (ascending) of the most recent occurrences of pattern's last two
+        tokens, at most _MAX_GLOBAL_CANDIDATES."""
         if pattern.shape[0] < 2 or not self.segments:
             return np.empty(0, dtype=np.int64)
-        bucket = self.index.get((int(pattern[-2]) << 32) | int(pattern[-1]))
-        if bucket is None:
-            return np.empty(0, dtype=np.int64)
-        ends = np.array(bucket[-_MAX_CANDIDATES:], dtype=np.int64)
-        return ends[self.buf.data[ends] == pattern[-1]]  # drop evicted positions
+        pos = self.head.get((int(pattern[-2]) << 32) | int(pattern[-1]), -1)
+        oldest, prev, found = self.segments[0][0], self.prev, []
+        while pos >= oldest and len(found) < _MAX_GLOBAL_CANDIDATES:
+            found.append(pos)
+            pos = prev[pos]
+        return np.array(found[::-1], dtype=np.int64)
 
 
 def _walk(corpus: np.ndarray, ends: np.ndarray, limit: int,

@@ -94,7 +94,7 @@ def test_global_store_memory_stays_bounded_through_compaction():
         store = proposer.global_store
         live = proposer.num_cached_tokens + proposer.num_cached_requests
         assert store.buf.size <= 2 * live + 1024 + 301
-        assert sum(len(b) for b in store.index.values()) <= store.buf.size
+        assert len(store.prev) == store.buf.size + 1 and len(store.head) <= store.buf.size
     proposer.start("x", [1])
     assert proposer.propose("x", [1, *output[100:110]], 4) == output[110:114]
     assert proposer.num_cached_requests == 3 and not proposer._requests.keys() - {"x"}
