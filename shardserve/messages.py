@@ -57,6 +57,11 @@ class SchedulerOutput:
     # Set by the engine core: the step's grammar bitmask comes later, with sample_tokens (an
     # earlier step's tokens are still sampling); a backend may start the forward pass now.
     grammar_pending: bool = False
+    # Speculative decoding: request → the draft tokens it verifies this step. They follow its
+    # scheduled tokens (num_scheduled_tokens counts them) and are no part of its token ids: the
+    # workers compute logits at each of its 1 + len(drafts) last positions, and keep in their
+    # state only the drafts the step accepts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,8 +93,13 @@ class ModelRunnerOutput:
     """The tokens sampled this step, for the requests whose prefill is complete."""
 
     req_ids: list[str]
-    sampled_token_ids: np.ndarray  # int64 [N], aligned with req_ids
-    # With logprobs requested: [N, 1 + max_logprobs], the sampled token's entry first, then top-N.
+    # int64 [T]: each request's tokens, back to back in req_ids' order (T = N without drafts).
+    sampled_token_ids: np.ndarray
+    # Speculative decoding: tokens each request emitted this step, int64 [N] aligned with
+    # req_ids (the accepted drafts, then the token sampled at the first rejection, or the bonus
+    # token after the last draft); None: one each.
+    num_sampled: np.ndarray | None = None
+    # With logprobs requested: [T, 1 + max_logprobs], the sampled token's entry first, then top-N.
     logprob_token_ids: np.ndarray | None = None
     logprobs: np.ndarray | None = None
     sampled_token_ranks: np.ndarray | None = None
@@ -100,10 +110,20 @@ class ModelRunnerOutput:
     # hidden state, float32 [hidden_size] (normalized when asked). They sample nothing, so
     # they are not in req_ids. Computed on the last pipeline stage, sent by the output rank.
     pooler_output: dict[str, np.ndarray] | None = None
+    # Speculative decoding: the output rank's drafts for each request's next step (a request
+    # without a proposal is absent).
+    draft_token_ids: dict[str, list[int]] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
         return cls(req_ids=[], sampled_token_ids=np.zeros(0, dtype=np.int64))
+
+    def token_offsets(self) -> list[int]:
+        """Where each request's tokens start in sampled_token_ids, plus the end: request j has
+        rows offsets[j]:offsets[j + 1] (of the logprobs arrays too)."""
+        if self.num_sampled is None:
+            return list(range(len(self.req_ids) + 1))
+        return [0, *np.cumsum(self.num_sampled).tolist()]
 
 
 @dataclass

@@ -80,6 +80,7 @@ class EngineCore:
                            config.cache_config.enable_prefix_caching),
             config.model_config.max_model_len,
             num_stages=config.parallel_config.pipeline_parallel_size,
+            speculative_config=config.speculative_config,
         )
         self.dead = False
         self.sleep_level = 0  # 0 awake; else the level of the last sleep()

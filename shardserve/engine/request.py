@@ -44,6 +44,11 @@ class Request:
     grammar: Any = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     priority: int = 0  # scheduling_policy="priority": lower runs first (request_queue.py)
+    # Speculative decoding: drafts the workers proposed for the request's next step (verified
+    # when scheduled; never part of its token ids), and its acceptance record
+    # (engine/spec_decode_scheduling.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
 
     @property
     def num_tokens(self) -> int:

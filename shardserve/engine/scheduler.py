@@ -21,31 +21,40 @@ scheduler splits the requests into micro-batches of at most ceil(unfinished / nu
 A stage cannot see what the last stage sampled, so a request with a token in flight is not
 scheduled again until that token is back, and each scheduled request carries the tokens the
 workers have not been sent yet (`CachedRequestData.new_token_ids`).
+
+Speculative decoding (engine/spec_decode_scheduling.py): a decode may verify the drafts the
+workers proposed with its last step, as 1 + d query positions; the rejected ones are rolled back
+when the step's tokens are folded in.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from shardserve.config import SchedulerConfig
 from shardserve.engine.kv_cache import KVCacheManager
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.request_queue import RequestQueue, make_request_queue
+from shardserve.engine.scheduler_results import SchedulerResults
+from shardserve.engine.spec_decode_scheduling import SpecDecodeScheduling
 from shardserve.messages import (
     CachedRequestData,
     EngineCoreOutput,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from shardserve.config.speculative import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulerResults):
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-        num_stages: int = 1,
+        num_stages: int = 1, speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.num_stages = num_stages
@@ -61,6 +70,8 @@ class Scheduler:
         self._structured: dict[str, int] = {}  # this step's SchedulerOutput.structured_positions
         # Requests ended outside a step (a grammar that failed): reported with the next outputs.
         self._ended_outside: list[EngineCoreOutput] = []
+        self.spec = SpecDecodeScheduling(speculative_config)
+        self._spec_tokens: dict[str, list[int]] = {}  # this step's scheduled drafts
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -102,6 +113,7 @@ class Scheduler:
         preempted: set[str] = set()
         self._seq_cap = self._micro_batch_cap()
         self._structured = {}
+        self._spec_tokens = {}
         budget = self._schedule_running(budget, num_tokens, cached, preempted)
         new_reqs: list[NewRequestData] = []
         if not preempted:  # a full pool admits nobody new this step
@@ -115,6 +127,7 @@ class Scheduler:
             finished_req_ids=finished - preempted,
             preempted_req_ids=preempted,
             structured_positions=self._structured,
+            scheduled_spec_decode_tokens=self._spec_tokens,
         )
 
     def _schedule_running(
@@ -131,7 +144,12 @@ class Scheduler:
             if n <= 0:  # everything it may compute is in flight already
                 i += 1
                 continue
-            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+            drafts = self._take_drafts(request, n, budget)
+            new_blocks = self.kv.allocate(request.request_id,
+                                          request.num_computed_tokens + n + len(drafts))
+            if new_blocks is None and drafts:  # drafts never cost a preemption: go without
+                drafts = []
+                new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             if new_blocks is None:
                 # The last in the policy's order goes first (see request_queue.py). It sits at
                 # index >= i, so it has not been scheduled in this step; if it is this request,
@@ -146,18 +164,30 @@ class Scheduler:
             if self.num_stages > 1:
                 cached.new_token_ids.append(request.output_token_ids[request.num_output_tokens_sent:])
                 request.num_output_tokens_sent = len(request.output_token_ids)
-            num_tokens[request.request_id] = n
-            self._advance(request, n)
-            budget -= n
+            if drafts:
+                self._spec_tokens[request.request_id] = drafts
+            num_tokens[request.request_id] = n + len(drafts)
+            self._advance(request, n, len(drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _take_drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The drafts this decode verifies: only when its one known token is all it computes
+        (a draft proposed while another step for it ran is stale), within the budget, the
+        model's length and max_tokens (tokens past either would be dropped anyway)."""
+        usable = n == 1 and request.num_computed_tokens == request.num_tokens - 1 \
+            and not request.num_output_placeholders and request.grammar is None
+        room = min(self.max_model_len - request.num_tokens,
+                   request.max_output_tokens - len(request.output_token_ids)) - 1
+        return self.spec.take_drafts(request, usable, budget, room, len(self.running))
 
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request can compute now: known ones and in-flight placeholders
         not yet scheduled, unless the token in flight is already its last one."""
         placeholders = request.num_output_placeholders
-        if placeholders and self.num_stages > 1:
-            return 0  # the stages need its token from us first
+        if placeholders and (self.num_stages > 1 or self.spec.holds_back(request)):
+            return 0  # the stages (or its drafts) need its token back first
         if placeholders and (
             len(request.output_token_ids) + placeholders >= request.max_output_tokens
             or request.num_tokens + placeholders >= self.max_model_len
@@ -165,15 +195,17 @@ class Scheduler:
             return 0
         return request.num_tokens + placeholders - request.num_computed_tokens
 
-    def _advance(self, request: Request, n: int) -> None:
-        """Count n scheduled tokens as computed; a step that reaches the end samples one more
-        (for a constrained request, noted with the index of the output token it samples)."""
-        request.num_computed_tokens += n
+    def _advance(self, request: Request, n: int, num_drafts: int = 0) -> None:
+        """Count n scheduled tokens (and the drafts after them) as computed; a step that reaches
+        the end samples one more (for a constrained request, noted with the index of the output
+        token it samples). Drafts stay out of the known ids, so out of the prefix hashes."""
+        request.num_computed_tokens += n + num_drafts
         known = min(request.num_computed_tokens, request.num_tokens)  # ids known, KV scheduled
         if self.kv.enable_prefix_caching and \
                 known // self.kv.block_size > self.kv.num_registered(request.request_id):
             self.kv.register_full_blocks(request.request_id, request.all_token_ids, known)
-        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+        if request.num_computed_tokens - num_drafts == \
+                request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             if request.grammar is not None:
                 self._structured[request.request_id] = (
@@ -267,83 +299,6 @@ class Scheduler:
         self.total_preemptions += 1
         self.waiting.put_back([request])
 
-    # ---- results back ----
-    def update_from_output(
-        self, sched: SchedulerOutput, output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Fold one step's sampled tokens in (steps complete in the order they were scheduled).
-
-        A preempted request still takes the token sampled for it before the preemption (it was
-        computed from the right context), so preemption never changes what a request outputs.
-        """
-        outputs = []
-        prompt_logprobs = dict(output.prompt_logprobs or {})
-        for j, rid in enumerate(output.req_ids):
-            request = self.requests.get(rid)
-            if request is None:
-                continue  # finished or aborted while the step ran: its token is discarded
-            request.num_output_placeholders -= 1
-            token = int(output.sampled_token_ids[j])
-            request.output_token_ids.append(token)
-            self._check_stop(request, token)
-            if request.grammar is not None:
-                self._advance_grammar(request, token)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=[token],
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=_logprobs_entry(output, j),
-                    num_cached_tokens=request.num_cached_tokens,
-                    prompt_logprobs=prompt_logprobs.pop(rid, None),
-                )
-            )
-        # Prefill chunks that sampled nothing still report their prompt logprobs.
-        outputs += [EngineCoreOutput(rid, [], prompt_logprobs=lps)
-                    for rid, lps in prompt_logprobs.items() if rid in self.requests]
-        return outputs + self._finish_pooled(output)
-
-    def _finish_pooled(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Pooling requests end with their vector (their KV blocks are freed; full ones stay
-        in the prefix cache). Their prefill counted a placeholder for a token never sampled
-        (max_tokens=1, so nothing more was scheduled for them)."""
-        outputs = []
-        for rid, vector in (output.pooler_output or {}).items():
-            request = self.requests.get(rid)
-            if request is None:
-                continue  # aborted while the step ran
-            request.num_output_placeholders -= 1
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
-            outputs.append(EngineCoreOutput(rid, [], "stop", num_cached_tokens=
-                                            request.num_cached_tokens, pooled=vector))
-        return outputs
-
-    def _advance_grammar(self, request: Request, token: int) -> None:
-        """The matcher takes the token. A finished grammar ends the request (as its EOS would,
-        also with ignore_eos); a rejected token (never, with the bitmask applied) ends it too."""
-        if request.grammar.accept(token) and not request.grammar.terminated:
-            return
-        if request.status.is_finished:
-            return
-        if request.grammar.failed:
-            logger.error("request %s: %s", request.request_id, request.grammar.failed)
-        self._finish(request, RequestStatus.FINISHED_STOPPED)
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.sampling_params
-        n_out = len(request.output_token_ids)
-        if n_out >= params.min_tokens:
-            if token in (params.stop_token_ids or ()):
-                request.stop_reason = token
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-            if not params.ignore_eos and token in request.eos_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-        if n_out >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         if request in self.running:
@@ -351,19 +306,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
+        self.spec.finish(request.request_id)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
-
-
-def _logprobs_entry(output: ModelRunnerOutput, j: int) -> list[dict[int, tuple[float, int]]] | None:
-    if output.logprobs is None or output.logprob_token_ids is None:
-        return None
-    ids = output.logprob_token_ids[j].tolist()
-    lps = output.logprobs[j].tolist()
-    ranks = output.sampled_token_ranks
-    sampled_rank = int(ranks[j]) if ranks is not None else 0
-    entry = {ids[0]: (lps[0], sampled_rank)}
-    for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-        entry.setdefault(tid, (lp, rank))
-    return [entry]
-

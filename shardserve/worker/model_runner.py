@@ -10,19 +10,22 @@ receives the previous stage's (hidden, residual) pair, a stage before the last h
 only the last stage computes logits and samples. Stages never see each other's sampled tokens,
 so with pipeline parallelism every rank takes each request's new tokens from the scheduler
 (`CachedRequestData.new_token_ids`) and none appends what it sampled itself.
+
+Speculative decoding (spec_verify.py): a request may run its last token and drafts as 1 + d
+positions, sampled as 1 + d rows and verified; it keeps the accepted drafts and one more token,
+and the output rank proposes its next drafts.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
-from shardserve.distributed.parallel_state import get_pp_group
+from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
 from shardserve.messages import (
     GrammarOutput,
     ModelRunnerOutput,
@@ -36,46 +39,11 @@ from shardserve.model.attention import (
 )
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
-from shardserve.model.sampler import (
-    RequestSamplingState,
-    Sampler,
-    SamplingMetadata,
-    apply_token_bitmask_,
-    gather_logprobs,
-)
+from shardserve.model.sampler import RequestSamplingState, gather_logprobs
 from shardserve.worker.pooler import RequestPooler
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    sampling: RequestSamplingState  # owns the prompt and output token lists
-    block_ids: list[int]
-    num_computed_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole history."""
-        prompt, output = self.sampling.prompt_token_ids, self.sampling.output_token_ids
-        n = len(prompt)
-        if end <= n:
-            return prompt[start:end]
-        if start >= n:
-            return output[start - n : end - n]
-        return prompt[start:] + output[: end - n]
-
-
-@dataclass
-class _PendingSample:
-    """What execute_model leaves for sample_tokens: the rows that need a token."""
-
-    states: list[CachedRequestState]
-    logits: torch.Tensor | None  # None when no request samples (prompt logprobs only)
-    prompt_logprobs: dict[str, PromptLogprobs] | None = None
-    pooled: dict[str, np.ndarray] | None = None  # pooling requests done this step
+from shardserve.worker.request_state import CachedRequestState, PendingSample
+from shardserve.worker.spec_verify import Drafter, verify_rows
+from shardserve.worker.step_sampler import StepSampler
 
 
 class ModelRunner:
@@ -89,11 +57,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
         self.pooler = RequestPooler()  # runner="pooling": see pooler.py
-        self.generator = torch.Generator().manual_seed(config.model_config.seed)
-        self._pending: _PendingSample | None = None
+        self._pending: PendingSample | None = None
         self.tokens_from_scheduler = config.parallel_config.pipeline_parallel_size > 1
+        self.step_sampler = StepSampler(self.arch.vocab_size, self.arch.eos_token_ids, device,
+                                        config.model_config.seed, self.tokens_from_scheduler)
         # Ray compiled graph: hidden states cross stages as the graph's node values instead of
         # through the PipelineGroup (set by the caller before each step).
         self.graph_handoff = False
@@ -103,6 +71,7 @@ class ModelRunner:
         # execute_model, in seconds. How long the model waited for the engine.
         self.idle_gaps: deque[float] = deque(maxlen=100_000)
         self._last_step_end: float | None = None
+        self.drafter: Drafter | None = None  # built in load_model, on the output rank only
 
     # ---- setup ----
     def load_model(self) -> None:
@@ -114,6 +83,11 @@ class ModelRunner:
         model.load_weights(iter_weights(self.config.model_config.path,
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
+        spec = self.config.speculative_config
+        if spec is not None and get_pp_group().is_last and get_tp_group().rank == 0 \
+                and self.drafter is None:
+            self.drafter = Drafter(spec, self.config.model_config.max_model_len)
+            self.step_sampler.drafter = self.drafter
 
     def kv_cache_block_bytes(self) -> int:
         model = self._require_model()
@@ -159,9 +133,12 @@ class ModelRunner:
     # ---- one step ----
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(rid, None)
+            if self.requests.pop(rid, None) is not None and self.drafter is not None:
+                self.drafter.finish(rid)
             self.pooler.drop(rid)
         for new in so.scheduled_new_reqs:
+            if self.drafter is not None:
+                self.drafter.start(new.req_id, new.prompt_token_ids)
             sampling = RequestSamplingState(
                 params=new.sampling_params,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -196,7 +173,9 @@ class ModelRunner:
         order = so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
         states = [self.requests[rid] for rid in order]
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
-        input_ids, meta = self._prepare_inputs(states, query_lens)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in order] if spec else [[]] * len(order)
+        input_ids, meta = self._prepare_inputs(states, query_lens, drafts)
         hidden = self._forward(input_ids, meta)
         if hidden is None:  # not the last stage: nothing to sample here
             for s, n in zip(states, query_lens, strict=True):
@@ -205,22 +184,25 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(states, query_lens, hidden)
         specs = [s.sampling.params.pooling for s in states]
         pooled = self.pooler.pool(states, specs, query_lens, hidden) if any(specs) else None
-        # Only requests whose every token is now computed get a new token (not mid-prefill
-        # ones); a pooling request samples nothing.
+        # Only requests whose every token (and draft) is now computed get a new token (not
+        # mid-prefill ones); a pooling request samples nothing.
         rows = [
             i
             for i, (s, n) in enumerate(zip(states, query_lens, strict=True))
-            if s.num_computed_tokens + n == s.num_tokens and specs[i] is None
+            if s.num_computed_tokens + n == s.num_tokens + len(drafts[i]) and specs[i] is None
         ]
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
         logits = None
+        row_drafts = [drafts[i] for i in rows] if spec else None
         if rows:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
+            if row_drafts is not None:  # each verifying request's last 1 + d rows
+                idx = torch.tensor(verify_rows(idx.tolist(), row_drafts), dtype=torch.long)
             logits = self._require_model().compute_logits(hidden[idx])
         if rows or prompt_logprobs or pooled:
-            self._pending = _PendingSample([states[i] for i in rows], logits, prompt_logprobs,
-                                           pooled)
+            self._pending = PendingSample([states[i] for i in rows], logits, prompt_logprobs,
+                                           pooled, row_drafts)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], query_lens: list[int],
                          hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
@@ -271,13 +253,15 @@ class ModelRunner:
         return out
 
     def _prepare_inputs(
-        self, states: list[CachedRequestState], query_lens: list[int]
+        self, states: list[CachedRequestState], query_lens: list[int], drafts: list[list[int]]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A request's query: its scheduled known tokens, then the drafts it verifies."""
         tokens: list[int] = []
         seq_lens = []
-        for s, n in zip(states, query_lens, strict=True):
+        for s, n, d in zip(states, query_lens, drafts, strict=True):
             start = s.num_computed_tokens
-            tokens.extend(s.token_ids(start, start + n))
+            tokens.extend(s.token_ids(start, start + n - len(d)))
+            tokens.extend(d)
             seq_lens.append(start + n)
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
@@ -294,49 +278,12 @@ class ModelRunner:
             if pending.logits is None:
                 out = ModelRunnerOutput.empty()
             else:
-                out = self._sample(pending, grammar_output)
+                out = self.step_sampler.sample(pending, grammar_output, len(self.requests))
             out.prompt_logprobs = pending.prompt_logprobs or None
             out.pooler_output = pending.pooled or None
             return out
         finally:
             self._last_step_end = time.perf_counter()
-
-    def _sample(
-        self, pending: _PendingSample, grammar_output: GrammarOutput | None
-    ) -> ModelRunnerOutput:
-        meta = SamplingMetadata.build(
-            [s.sampling for s in pending.states],
-            self.arch.vocab_size,
-            self.arch.eos_token_ids,
-            device=self.device,
-            generator=self.generator,
-        )
-        if grammar_output is not None:
-            self._apply_grammar(pending, grammar_output)
-        out = self.sampler(pending.logits, meta)
-        sampled = out.sampled_token_ids.cpu().numpy()
-        if not self.tokens_from_scheduler:
-            for s, token in zip(pending.states, sampled.tolist(), strict=True):
-                s.sampling.output_token_ids.append(token)
-        return ModelRunnerOutput(
-            req_ids=[s.req_id for s in pending.states],
-            sampled_token_ids=sampled,
-            logprob_token_ids=_to_numpy(out.logprob_token_ids),
-            logprobs=_to_numpy(out.logprobs),
-            sampled_token_ranks=_to_numpy(out.sampled_token_ranks),
-        )
-
-    @staticmethod
-    def _apply_grammar(pending: _PendingSample, grammar_output: GrammarOutput) -> None:
-        """Mask the constrained rows in place (vLLM does the same before its sampler, so
-        logprobs of a constrained request come from the masked distribution)."""
-        row_of = {s.req_id: i for i, s in enumerate(pending.states)}
-        pairs = [(row_of[rid], r) for r, rid in enumerate(grammar_output.req_ids)
-                 if rid in row_of]
-        if pairs:
-            rows, bitmask_rows = zip(*pairs, strict=True)
-            apply_token_bitmask_(pending.logits, list(rows),
-                                 grammar_output.token_bitmask[list(bitmask_rows)])
 
     def _require_model(self) -> LlamaForCausalLM:
         if self.model is None:
@@ -350,7 +297,3 @@ class ModelRunner:
                 "(call initialize_from_config, or wake_up after sleep)"
             )
         return self.kv_caches
-
-
-def _to_numpy(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.cpu().numpy()

@@ -1,0 +1,107 @@
+"""The scheduler's side of speculative decoding: which drafts a request verifies, the rollback
+of rejected positions, when speculation pays (never slower), and the acceptance counters.
+
+A step of the workers returns, with each request's sampled tokens, up to k drafts for its next
+step (worker/spec_decode/: n-gram or suffix lookup). The scheduler schedules that next step as
+1 + d query positions (the last sampled token, then the d drafts), KV blocks allocated for all;
+the worker computes logits at each and emits 1..d+1 tokens (model/rejection_sampler.py). The
+rejected positions are rolled back here:
+
+    before:    num_tokens T, num_computed T - 1, drafts d
+    scheduled: num_computed T + d                   (the drafts' KV is written too)
+    verified:  a drafts accepted, a + 1 tokens out:  num_tokens T + a + 1
+    rollback:  num_computed T + d - (d - a) = T + a  (one token left to compute, as after a
+               plain decode)
+
+Invariants: drafts are never part of a request's token ids, so prefix-caching hashes (taken
+over token ids within num_computed, see scheduler._advance) never include one; the KV written at
+a rejected position lies beyond num_computed and is overwritten when that position is computed
+again; a request holds at most the blocks of num_tokens + k tokens (the next verify step's), so
+a rejection frees nothing that the next step would not allocate again.
+
+Asynchronous scheduling: a request's drafts come back with the step that sampled the token
+they follow, so a speculating request is not scheduled again while a step for it is in flight
+(it runs synchronously; others keep two steps in flight); drafts that arrive while another
+step for the request is already under way are stale and dropped. A request whose speculation is
+paused (below) runs asynchronously as before.
+
+Never slower: worker/spec_decode's SpeculationGate, consulted once per request per step,
+decides whether its drafts are used (none above max_batch_for_speculation running requests;
+none for speculation_backoff_steps steps after its recent acceptance fell below
+min_acceptance_rate, then a probe). The workers also propose nothing above the batch limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from shardserve.engine.request import Request
+from shardserve.worker.spec_decode import SpeculationGate
+
+if TYPE_CHECKING:
+    from shardserve.config.speculative import SpeculativeConfig
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since start (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verify steps of a request with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
+
+    def as_dict(self) -> dict[str, Any]:
+        mean = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_mean_acceptance_length": mean}
+
+
+class SpecDecodeScheduling:
+    def __init__(self, config: SpeculativeConfig | None) -> None:
+        self.enabled = config is not None
+        self.k = (config.num_speculative_tokens or 0) if config is not None else 0
+        self.gate = SpeculationGate.from_config(config) if config is not None else None
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+
+    def take_drafts(self, request: Request, usable: bool, budget: int, room: int,
+                    num_running: int) -> list[int]:
+        """The drafts to verify with the request's next token (called once per scheduled step
+        of a running request): none unless the gate says so and they are `usable` (proposed
+        after its last token, which is all it computes now); at most `budget` - 1 (the step's
+        tokens left) and `room`. The request's drafts are used up either way."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if self.gate is None:
+            return []
+        # request.spec: the gate's last word on the request (holds_back reads it).
+        request.spec = self.gate.should_propose(request.request_id, num_running)
+        if not (request.spec and usable and drafts):
+            return []
+        return drafts[:max(0, min(budget - 1, room, self.k))]
+
+    def holds_back(self, request: Request) -> bool:
+        """Async scheduling: a speculating request with a step in flight waits for it (its
+        drafts come back with that step)."""
+        return request.num_output_placeholders > 0 and request.spec is True
+
+    def on_verified(self, request: Request, num_drafts: int, num_emitted: int) -> int:
+        """Count a verify step of `num_drafts` drafts that emitted `num_emitted` tokens (before
+        any stop cut them); returns the rejected drafts (positions to roll back)."""
+        accepted = max(0, min(num_drafts, num_emitted - 1))
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_pos[i] += 1
+        if self.gate is not None:
+            self.gate.record(request.request_id, num_drafts, accepted)
+        return num_drafts - accepted
+
+    def finish(self, request_id: str) -> None:
+        if self.gate is not None:
+            self.gate.finish(request_id)

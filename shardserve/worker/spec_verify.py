@@ -1,0 +1,109 @@
+"""The workers' side of speculative decoding: a verify step's logits rows and sampling states,
+the tokens each request keeps, and the drafts the output rank proposes after sampling.
+
+A request verifying d drafts (SchedulerOutput.scheduled_spec_decode_tokens) runs its last
+sampled token and the drafts as 1 + d query positions; position j's logits predict the token
+after drafts[:j]. Each position is sampled as its own row, with a sampling state whose output
+is the request's output plus drafts[:j]: penalties, min_tokens, bad words, logits controls and
+the per-position seed then see exactly the context they would see without speculation, had the
+drafts before it been sampled. model/rejection_sampler.py decides what is kept.
+
+Only the output rank proposes (the rank whose reply the engine reads); the others get the
+drafts with the next step's SchedulerOutput like every other input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardserve.model import rejection_sampler
+from shardserve.model.sampler import RequestSamplingState
+
+if TYPE_CHECKING:
+    from shardserve.config.speculative import SpeculativeConfig
+
+
+def verify_rows(last_rows: Sequence[int], drafts: Sequence[Sequence[int]]) -> list[int]:
+    """Flat-batch rows whose logits a step needs: each sampling request's last len(drafts) + 1
+    rows (`last_rows`: its last row)."""
+    rows: list[int] = []
+    for last, d in zip(last_rows, drafts, strict=True):
+        rows.extend(range(last - len(d), last + 1))
+    return rows
+
+
+def position_states(states: Sequence[RequestSamplingState],
+                    drafts: Sequence[Sequence[int]]) -> list[RequestSamplingState]:
+    """One sampling state per logits row: position j of a request sees drafts[:j] as output."""
+    out: list[RequestSamplingState] = []
+    for state, d in zip(states, drafts, strict=True):
+        out.append(state)
+        for j in range(1, len(d) + 1):
+            out.append(RequestSamplingState(state.params, state.prompt_token_ids,
+                                            state.output_token_ids + list(d[:j])))
+    return out
+
+
+@dataclass
+class Verified:
+    """What a verify step keeps: the emitted tokens back to back, the logits rows they were
+    drawn at (for their logprobs), and how many each request emitted."""
+
+    token_ids: list[int]
+    rows: list[int]
+    num_sampled: list[int]
+
+
+def keep_verified(drawn: Sequence[int], drafts: Sequence[Sequence[int]]) -> Verified:
+    """Apply the acceptance rule to each request's rows of `drawn` (one draw a logits row)."""
+    kept = Verified([], [], [])
+    row = 0
+    for d in drafts:
+        tokens = rejection_sampler.verify(drawn[row:row + len(d) + 1], d)
+        kept.token_ids.extend(tokens)
+        kept.rows.extend(range(row, row + len(tokens)))
+        kept.num_sampled.append(len(tokens))
+        row += len(d) + 1
+    return kept
+
+
+class Drafter:
+    """The output rank's proposer (worker/spec_decode/), fed each request's tokens after
+    every step that sampled for it."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        from shardserve.worker.spec_decode import build_proposer
+
+        self.proposer = build_proposer(config)
+        self.k = config.num_speculative_tokens
+        self.max_batch = config.max_batch_for_speculation
+        self.max_model_len = max_model_len
+
+    def start(self, req_id: str, prompt_token_ids: list[int]) -> None:
+        self.proposer.start(req_id, prompt_token_ids)
+
+    def finish(self, req_id: str) -> None:
+        self.proposer.finish(req_id)
+
+    def propose(self, states: Sequence[tuple[str, RequestSamplingState, list[int]]],
+                num_running: int) -> dict[str, list[int]]:
+        """Drafts for each (request, its sampling state, tokens emitted this step that the
+        state does not hold yet), capped so that every draft plus the bonus token stays within
+        max_model_len and max_tokens. None at all above the batch limit."""
+        from shardserve.worker.spec_decode.ngram import cap_draft_len
+
+        if num_running > self.max_batch:
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for req_id, state, extra in states:
+            output = state.output_token_ids + extra if extra else state.output_token_ids
+            tokens = state.prompt_token_ids + output
+            max_tokens = state.params.max_tokens or 1 << 30
+            k = cap_draft_len(self.k, len(tokens), self.max_model_len,
+                              max_tokens - len(output))
+            draft = self.proposer.propose(req_id, tokens, k) if k > 0 else []
+            if draft:
+                drafts[req_id] = list(draft[:k])
+        return drafts

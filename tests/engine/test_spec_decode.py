@@ -1,0 +1,111 @@
+"""Speculative decoding through the real engine, greedy: outputs token for token those of the
+same engine without speculation, with drafts really accepted (so the test cannot pass with
+speculation silently off).
+
+One engine with n-gram speculation (k = 5) runs every case at k = 0 (no drafts verified: the
+reference), then 1, 3 and 5: the scheduler's cap on drafts per step (`scheduler.spec.k`) is set
+between generate calls, the proposer proposing 5 tokens and a step verifying the first k, which
+is what an engine built with k verifies (an n-gram draft is the k tokens that followed the
+match, so a shorter one is its prefix). The reference's 8 oracle prompts also equal HF's greedy
+output, so it is the plain engine's. The same cases then run on an asynchronous engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve import LLM, SamplingParams
+from tests.entrypoints.pp_oracle import oracle_prompt_ids
+
+CODE = '''def scale(values, x):
+    result = []
+    for v in values:
+        result.append(v * x)
+    return result
+'''
+EDIT = ("Rewrite this Python function with the variable x renamed to factor:\n\n```python\n"
+        + CODE + "```")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5}
+MAX_TOKENS = 32
+
+
+def code_edit_ids(tok) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": EDIT}],
+                                        add_generation_prompt=True, return_dict=False))
+
+
+def cases(tok, reference: list[list[int]] | None = None) -> tuple[list, list[SamplingParams]]:
+    """The 8 oracle prompts and the code-editing one (greedy, EOS on), then the code-editing
+    prompt again ending mid-draft: on a stop token, a stop string and max_tokens values past
+    each of the first steps (from `reference`, its greedy output without speculation)."""
+    prompts = [*oracle_prompt_ids(tok), code_edit_ids(tok)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)] * len(prompts)
+    if reference is None:
+        return [{"prompt_token_ids": p} for p in prompts], params
+    edit = reference[-1]
+    text = tok.decode(edit)
+    extra = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[edit[20]]),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                            stop=[text[len(text) // 2:len(text) // 2 + 4]]),
+             *(SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+               for n in (2, 5, 9, 14))]
+    prompts += [prompts[-1]] * len(extra)
+    return [{"prompt_token_ids": p} for p in prompts], params + extra
+
+
+def _summary(outs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sync_engine(default_model_path):
+    llm = LLM(dtype="float32", max_model_len=512, async_scheduling=False,
+              speculative_config=NGRAM)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(sync_engine, hf_default_greedy) -> tuple[list[list[int]], list[tuple]]:
+    """The engine at k = 0 (no drafts verified): the base cases' tokens, then every case's
+    summary."""
+    spec = sync_engine.engine.core.scheduler.spec
+    spec.k = 0
+    tok = sync_engine.get_tokenizer()
+    prompts, params = cases(tok)
+    base = [o.outputs[0].token_ids
+            for o in sync_engine.generate(prompts, params, use_tqdm=False)]
+    assert spec.stats.num_drafts == 0
+    for p, tokens in zip(oracle_prompt_ids(tok), base, strict=False):
+        assert tokens == hf_default_greedy(p, MAX_TOKENS)[:len(tokens)]  # up to its EOS
+    prompts, params = cases(tok, base)
+    return base, _summary(sync_engine.generate(prompts, params, use_tqdm=False))
+
+
+def _check(llm: LLM, base: list[list[int]], want: list[tuple], ks: tuple[int, ...]) -> None:
+    prompts, params = cases(llm.get_tokenizer(), base)
+    spec = llm.engine.core.scheduler.spec
+    for k in ks:
+        spec.k = k
+        before = spec.stats.num_accepted_tokens
+        got = _summary(llm.generate(prompts, params, use_tqdm=False))
+        assert got == want, k
+        assert spec.stats.num_accepted_tokens > before, k  # drafts really accepted
+        assert not any(spec.stats.accepted_per_pos[k:]), k  # never more than k a step
+
+
+def test_ngram_greedy_identical_k_1_3_5(sync_engine, reference):
+    _check(sync_engine, *reference, ks=(1, 3, 5))
+
+
+def test_ngram_greedy_identical_async(reference):
+    """Asynchronous scheduling: a speculating request waits for its step (its drafts come with
+    it) while the engine keeps two steps in flight."""
+    llm = LLM(dtype="float32", max_model_len=512, speculative_config=NGRAM)
+    try:
+        assert llm.engine.core.max_concurrent_batches == 2
+        _check(llm, *reference, ks=(5,))
+    finally:
+        llm.shutdown()
