@@ -1,15 +1,32 @@
-"""Beam search over the engine's ordinary requests, as vLLM v1 runs it at the LLM level.
+"""Beam search over the engine's ordinary requests, at the LLM level as vLLM v1 runs it, with
+the ranking and stopping rules of HF transformers' `_beam_search` (early_stopping=False).
 
 Each step, every live beam of every prompt is one engine request, all submitted as one batch:
 its prompt is the beam's tokens so far, it generates ONE token and returns the top
 2 * beam_width logprobs (plus the sampled token's). Every candidate (beam + token) gets the
-beam's cumulative logprob plus the token's; a candidate ending in EOS (unless ignore_eos) is
-set aside as finished, the rest are ranked by score and the best beam_width kept. After
-max_tokens steps the live beams join the finished ones and the best beam_width of all, by score,
-are returned, best first:
+beam's cumulative logprob plus the token's. Then, per prompt, as HF does:
 
-    score = cum_logprob / len(tokens) ** length_penalty     (tokens: prompt + generated, an
-                                                             ending EOS not counted)
+- the 2 * beam_width best candidates by cum_logprob are the step's top (each beam's own top
+  2 * beam_width tokens hold them all, so one request per beam sees what HF's top-k over
+  beams x vocabulary sees);
+- of the top beam_width of those, each ending in EOS (unless ignore_eos), and at the last step
+  every one, is a finished sequence; the beam_width best finished by score are kept;
+- the best beam_width of the top that do not end in EOS live on;
+- the prompt stops early once beam_width sequences are finished and the best live beam's score
+  at its current length is no better than the worst finished one's;
+- its result: the finished sequences, best first by
+
+    score = cum_logprob / generated_len ** length_penalty   (generated_len: the generated
+                                                            tokens, an ending EOS counted)
+
+Why HF's rules and not vLLM v1's: vLLM's LLM.beam_search sets aside every EOS candidate of
+each beam's top 2 * beam_width, never stops early, and ranks by
+cum_logprob / (prompt_len + generated_len - an ending EOS) ** length_penalty; counting the
+prompt favours short EOS-ended candidates on long prompts ("The capital of France is" ->
+"Paris.<EOS>" on the default model, which HF never keeps: not in its step's top 3). Both agree
+whenever no EOS is involved (ignore_eos): the same live beams, the same final beam_width, in the
+same order. HF's is the reference the acceptance tests check token for token; one rule, no
+option: vLLM's BeamSearchParams has no field choosing it, and `score` is never returned.
 
 Memory: a beam's request shares its prompt's (and its ancestors') full KV blocks through prefix
 caching: they were registered by the previous step's requests, so each step computes only the
@@ -58,21 +75,23 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None,
+def beam_search_score(num_generated: int, cum_logprob: float,
                       length_penalty: float = 1.0) -> float:
-    """vLLM's ranking: cum_logprob / length ** length_penalty, the length counting the prompt
-    and the generated tokens but not an ending EOS."""
-    length = len(tokens)
-    if eos_token_id is not None and tokens and tokens[-1] == eos_token_id:
-        length -= 1
-    return cum_logprob / (length ** length_penalty)
+    """HF's ranking: cum_logprob / generated_len ** length_penalty, the generated length with
+    an ending EOS counted and the prompt not (a sequence with nothing generated: its
+    cum_logprob, 0)."""
+    if num_generated <= 0:
+        return cum_logprob
+    return cum_logprob / (num_generated ** length_penalty)
 
 
 @dataclass
 class _Prompt:
-    """One prompt's search: its live beams and those set aside as finished."""
+    """One prompt's search: its live beams (best first) and its finished sequences (best first,
+    at most beam_width)."""
 
     beams: list[BeamSearchSequence]
+    prompt_len: int
     room: int  # tokens the prompt may still grow by (max_tokens, bounded by max_model_len)
     done: list[BeamSearchSequence] = field(default_factory=list)
 
@@ -86,17 +105,19 @@ class BeamSearch:
                  eos_token_id: int | None, max_model_len: int) -> None:
         self.params = params
         self.eos_token_id = eos_token_id
-        self._prompts = [_Prompt([BeamSearchSequence(list(ids))],
+        self._prompts = [_Prompt([BeamSearchSequence(list(ids))], len(ids),
                                  min(params.max_tokens, max_model_len - len(ids)))
                          for ids in prompts]
         # One token per beam, its top 2 * beam_width logprobs (the sampled one comes too).
         self.step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
                                           temperature=params.temperature, ignore_eos=True)
         for p in self._prompts:
-            self._retire_if_full(p)
+            if p.room <= 0:  # no room to generate: the prompt itself is the one result
+                p.beams[0].finish_reason = "length"
+                p.done, p.beams = p.beams, []
 
-    def score(self, beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos_token_id,
+    def score(self, p: _Prompt, beam: BeamSearchSequence) -> float:
+        return beam_search_score(len(beam.tokens) - p.prompt_len, beam.cum_logprob,
                                  self.params.length_penalty)
 
     @property
@@ -111,48 +132,57 @@ class BeamSearch:
         """One step: `outputs` answer requests() in order (each with its token's logprobs)."""
         it = iter(outputs)
         for p in self._prompts:
+            if not p.beams:
+                continue
             candidates: list[BeamSearchSequence] = []
             for beam in p.beams:
-                candidates += self._extend(p, beam, _step_logprobs(next(it)))
-            candidates.sort(key=self.score, reverse=True)
-            p.beams = candidates[:self.params.beam_width]
-            p.room -= 1
-            self._retire_if_full(p)
+                logprobs = _step_logprobs(next(it))
+                candidates += [BeamSearchSequence(beam.tokens + [token],
+                                                  beam.logprobs + [logprobs],
+                                                  beam.cum_logprob + lp.logprob)
+                               for token, lp in logprobs.items()]
+            self._step(p, candidates)
 
-    def _extend(self, p: _Prompt, beam: BeamSearchSequence,
-                logprobs: dict[int, Logprob]) -> list[BeamSearchSequence]:
-        """beam's candidates (one per token in logprobs); those ending in EOS go to p.done."""
-        live = []
-        for token, lp in logprobs.items():
-            child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [logprobs],
-                                       beam.cum_logprob + lp.logprob)
-            if token == self.eos_token_id and not self.params.ignore_eos:
+    def _ends(self, beam: BeamSearchSequence) -> bool:
+        return not self.params.ignore_eos and beam.tokens[-1] == self.eos_token_id
+
+    def _step(self, p: _Prompt, candidates: list[BeamSearchSequence]) -> None:
+        """HF's step (see the module docstring): finish, keep the live beams, maybe stop."""
+        width = self.params.beam_width
+        # Stable sorts: of equal cum_logprobs the earlier beam's candidate comes first.
+        top = sorted(candidates, key=lambda c: c.cum_logprob, reverse=True)[:2 * width]
+        p.room -= 1
+        last = p.room <= 0
+        for child in top[:width]:
+            if self._ends(child):
                 child.finish_reason = "stop"
-                p.done.append(child)
+            elif last:
+                child.finish_reason = "length"
             else:
-                live.append(child)
-        return live
+                continue
+            p.done.append(child)
+        p.done = sorted(p.done, key=lambda b: self.score(p, b), reverse=True)[:width]
+        p.beams = [] if last else [c for c in top if not self._ends(c)][:width]
+        if p.beams and self._cannot_improve(p):
+            p.beams = []
 
-    def _retire_if_full(self, p: _Prompt) -> None:
-        """Beams that may not grow any more (max_tokens, or max_model_len) are finished."""
-        if p.room > 0:
-            return
-        for beam in p.beams:
-            beam.finish_reason = "length"
-        p.done += p.beams
-        p.beams = []
+    def _cannot_improve(self, p: _Prompt) -> bool:
+        """HF's early stop (early_stopping=False): beam_width sequences finished and the best
+        live beam, scored at its current length, no better than the worst of them. A
+        heuristic (a live beam's score may still rise), kept for equality with HF."""
+        if len(p.done) < self.params.beam_width:
+            return False
+        return self.score(p, p.beams[0]) <= self.score(p, p.done[-1])
 
     def results(self, decode: Callable[[list[int]], str] | None = None
                 ) -> list[BeamSearchOutput]:
-        """Each prompt's best beam_width sequences, best first (their text decoded, with
-        `decode`)."""
+        """Each prompt's best beam_width finished sequences, best first (their text decoded,
+        with `decode`); once `done`."""
         outputs = []
         for p in self._prompts:
-            best = sorted(p.done + p.beams, key=self.score, reverse=True)
-            best = best[:self.params.beam_width]
-            for beam in best if decode is not None else ():
+            for beam in p.done if decode is not None else ():
                 beam.text = decode(beam.tokens)
-            outputs.append(BeamSearchOutput(best))
+            outputs.append(BeamSearchOutput(list(p.done)))
         return outputs
 
 

@@ -1,33 +1,20 @@
-"""LLM.beam_search (vLLM's) on the default model in float32: its beams sorted by vLLM's score,
-the best at least as likely as greedy, equal to HF transformers' beam search on the 8 oracle
-prompts, and its beams sharing their prompt's KV blocks through prefix caching.
+"""LLM.beam_search on the default model in float32: its beams sorted by score, the best at
+least as likely as greedy, equal to HF transformers' beam search on the 8 oracle prompts with
+EOS allowed, and its beams sharing their prompt's KV blocks through prefix caching.
 
-What equals HF's, and why (HF's `_beam_search`, num_beams=3, do_sample=False,
-length_penalty=1.0, early_stopping=False, num_return_sequences=3):
-
-- The live beams provably evolve the same in both: each step, every beam x token candidate
-  gets the beam's cumulative logprob plus the token's, candidates ending in EOS are set aside,
-  and the 3 best of the rest by cumulative logprob live on (vLLM looks at each beam's top 6
-  tokens, HF at the top 6 of all 3 x vocab: the 3 best non-EOS candidates are in both).
-- They differ only in what counts as finished: HF keeps an EOS candidate only if it ranks in
-  the top 3 of the step's top 6 and scores it cum / generated_len (EOS counted, prompt not);
-  vLLM keeps every EOS candidate among a beam's top 6 and scores it
-  cum / (prompt_len + generated_len) with the EOS not counted; HF may also stop early once 3
-  finished sequences cannot be beaten by the live ones (vLLM always runs max_tokens steps).
-
-So: with EOS out of the picture (ignore_eos=True here, HF with no EOS token) all 3 sequences
-must equal HF's token for token, in order, with the same cumulative logprobs: checked on the 8
-prompts. With EOS, what provably holds is checked: every sequence HF returns is a candidate
-vLLM's search also saw (an HF-finished EOS sequence comes from identical live beams and ranks
-in its beam's top 6; HF's last live beams are vLLM's), so vLLM's best, by vLLM's score, is at
-least as good as each of HF's by that same score; and the full-length sequences each returns
-are a prefix of the same ranked final beams: checked on the 4 raw prompts (HF's beam search
-costs ~1.3 s a prompt; all 8 agreed the same way when measured). The best sequence equals HF's
-best on 7 of the 8 prompts (3 of the 4 checked); on "The capital of France is" vLLM's best
-is "Paris.<EOS>" (cum -3.57), an EOS candidate HF dropped (not in its step's top 3) and would
-rank below its best anyway (-3.57 / 3 generated tokens < -9.05 / 12), while vLLM's score,
-prompt counted, ranks it first (-3.57 / 7 > -9.05 / 17). That case is asserted to be exactly
-this.
+HF's `_beam_search` here: num_beams=3, do_sample=False, length_penalty=1.0,
+early_stopping=False, num_return_sequences=3, EOS <|im_end|>. Our search follows its rules
+(entrypoints/beam_search.py's docstring): the step's top 6 candidates by cumulative logprob,
+an EOS candidate finished only if among the top 3, a finished sequence scored by
+cum / generated_len (EOS counted, prompt not), the early stop once 3 are finished and the best
+live beam cannot beat them at its current length. So all 3 sequences must equal HF's token for
+token, in order, with the same cumulative logprobs, on all 8 prompts: some end in EOS, some
+run the full MAX_TOKENS (asserted, so the check covers both). vLLM v1's rules (the prompt
+counted in the length, every EOS candidate of a beam's top 6 kept, no early stop) give other
+sequences on 3 of the 8 (measured), e.g. "The capital of France is" -> "Paris.<EOS>" first.
+The early stop does not fire on these prompts at 12 tokens (it does on a chat "Answer with
+one word: what color is the sky?", at 10, without changing what is returned): it follows HF's
+code as read, not proven here.
 
 HF's results are computed once per checkout (pytest's cache folder, keyed like
 tests/hf_oracle.py's greedy continuations), so a warm run loads no transformers model.
@@ -46,7 +33,6 @@ from shardserve import LLM, BeamSearchParams, SamplingParams
 from shardserve.entrypoints.beam_search import BeamSearchOutput, beam_search_score
 
 WIDTH, MAX_TOKENS = 3, 12
-EOS_PROMPTS = 4  # with EOS, HF is asked on the 4 raw prompts only (the suite's time)
 EOS = 2  # the default model's <|im_end|>, also its tokenizer's eos_token_id
 
 pytestmark = pytest.mark.slow  # the default model
@@ -81,55 +67,46 @@ def ours(llm, prompt_ids):
 
 
 @pytest.fixture(scope="module")
-def hf_beams(request, default_model_path, prompt_ids):
-    """ignore_eos -> per prompt, HF's 3 returned sequences as (generated tokens, cum logprob),
-    best first; kept in pytest's cache folder (the model is loaded only on a miss)."""
+def hf_beams(request, default_model_path, prompt_ids) -> list[list[tuple[list[int], float]]]:
+    """Per prompt, HF's 3 returned sequences with EOS allowed, as (generated tokens, cum
+    logprob), best first; kept in pytest's cache folder (the model is loaded only on a miss)."""
     from tests.hf_oracle import _identity
 
     cache = getattr(request.config, "cache", None)
-    identity = _identity(default_model_path)
-
-    def run(ignore_eos: bool) -> list[list[tuple[list[int], float]]]:
-        asked = prompt_ids if ignore_eos else prompt_ids[:EOS_PROMPTS]
-        key = hashlib.sha256(json.dumps([identity, "full-mask", WIDTH, MAX_TOKENS, ignore_eos,
-                                         asked]).encode()).hexdigest()
-        path = f"shardserve/hf-beam/{key}"
-        stored = cache.get(path, None) if cache is not None else None
-        if stored is None:
-            model = request.getfixturevalue("hf_default_model")
-            stored = [_hf_beam_search(model, ids, ignore_eos) for ids in asked]
-            if cache is not None:
-                cache.set(path, stored)
-        return [[(list(tokens), float(cum)) for tokens, cum in seqs] for seqs in stored]
-
-    return run
+    key = hashlib.sha256(json.dumps([_identity(default_model_path), "eos", WIDTH, MAX_TOKENS,
+                                     prompt_ids]).encode()).hexdigest()
+    path = f"shardserve/hf-beam/{key}"
+    stored = cache.get(path, None) if cache is not None else None
+    if stored is None:
+        model = request.getfixturevalue("hf_default_model")
+        stored = [_hf_beam_search(model, ids) for ids in prompt_ids]
+        if cache is not None:
+            cache.set(path, stored)
+    return [[(list(tokens), float(cum)) for tokens, cum in seqs] for seqs in stored]
 
 
-def _hf_beam_search(model: Any, ids: list[int], ignore_eos: bool) -> list[list[Any]]:
+def _hf_beam_search(model: Any, ids: list[int]) -> list[list[Any]]:
     """HF's 3 sequences for one prompt: generated tokens (up to and with EOS) and their
     cumulative logprob (HF's score times its length divisor, the generated length)."""
     import torch
 
-    eos = {"eos_token_id": None} if ignore_eos else {"eos_token_id": EOS}
-    # The mask given: with no EOS token, HF would take the prompt's <|im_end|> (its pad token)
-    # for padding and mask it out.
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                             pad_token_id=EOS, num_beams=WIDTH, do_sample=False,
-                             length_penalty=1.0, early_stopping=False,
+                             eos_token_id=EOS, pad_token_id=EOS, num_beams=WIDTH,
+                             do_sample=False, length_penalty=1.0, early_stopping=False,
                              num_return_sequences=WIDTH, max_new_tokens=MAX_TOKENS,
-                             return_dict_in_generate=True, output_scores=True, **eos)
+                             return_dict_in_generate=True, output_scores=True)
     seqs = []
     for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
-        generated = row[len(ids):]
-        if not ignore_eos and EOS in generated:
+        generated = row[len(ids):]  # padded with EOS past a shorter sequence's end
+        if EOS in generated:
             generated = generated[:generated.index(EOS) + 1]
         seqs.append([generated, score * len(generated)])
     return seqs
 
 
-def _score(tokens: list[int], cum: float) -> float:
-    return beam_search_score(tokens, cum, EOS, 1.0)
+def _score(generated: list[int], cum: float) -> float:
+    return beam_search_score(len(generated), cum, 1.0)
 
 
 def test_bad_params_are_refused_naming_the_value(llm):
@@ -148,7 +125,7 @@ def test_beams_come_sorted_by_score(llm, prompt_ids, ours):
     tok = llm.get_tokenizer()
     for ids, out in zip(prompt_ids, ours(False), strict=True):
         assert len(out.sequences) == WIDTH
-        scores = [_score(s.tokens, s.cum_logprob) for s in out.sequences]
+        scores = [_score(s.tokens[len(ids):], s.cum_logprob) for s in out.sequences]
         assert scores == sorted(scores, reverse=True)
         for seq in out.sequences:
             generated = seq.tokens[len(ids):]
@@ -168,41 +145,16 @@ def test_best_beam_is_at_least_as_likely_as_greedy(llm, prompt_ids, ours):
         assert beams.sequences[0].cum_logprob >= out.outputs[0].cumulative_logprob - 1e-4
 
 
-def test_equals_hf_beam_search_without_eos(prompt_ids, ours, hf_beams):
+def test_equals_hf_beam_search_with_eos(prompt_ids, ours, hf_beams):
     """All 3 sequences, in order, and their cumulative logprobs (see the module docstring)."""
-    for ids, out, want in zip(prompt_ids, ours(True), hf_beams(True), strict=True):
+    ended = full = 0
+    for ids, out, want in zip(prompt_ids, ours(False), hf_beams, strict=True):
         got = [(s.tokens[len(ids):], s.cum_logprob) for s in out.sequences]
         assert [g for g, _ in got] == [w for w, _ in want]
         assert [c for _, c in got] == pytest.approx([c for _, c in want], abs=1e-3)
-
-
-def test_with_eos_hf_beam_search_agrees_where_the_scores_do(prompt_ids, ours, hf_beams):
-    """See the module docstring: HF's sequences are all candidates of ours; the full-length
-    ones both return are the same ranked live beams; the best is HF's best wherever vLLM's
-    score does not prefer a short EOS-ended candidate that HF's rule dropped or ranks lower
-    (on these prompts: all but "The capital of France is", whose best is "Paris.<EOS>")."""
-    agree = 0
-    n = EOS_PROMPTS
-    for ids, out, want in zip(prompt_ids[:n], ours(False)[:n], hf_beams(False), strict=True):
-        best = out.sequences[0]
-        for tokens, cum in want:  # float32 differences between the two: the tolerance
-            assert _score(best.tokens, best.cum_logprob) >= _score(ids + tokens, cum) - 1e-4
-        full = [s.tokens[len(ids):] for s in out.sequences if s.finish_reason == "length"]
-        hf_full = [t for t, _ in want if len(t) == MAX_TOKENS and t[-1] != EOS]
-        shorter = min(len(full), len(hf_full))
-        assert full[:shorter] == hf_full[:shorter]
-        generated = best.tokens[len(ids):]
-        if generated == want[0][0]:
-            agree += 1
-            continue
-        # The only way to differ: an EOS-ended best that HF's score puts below HF's best.
-        assert generated[-1] == EOS
-        assert _hf_score(generated, best.cum_logprob) < _hf_score(*want[0])
-    assert agree == n - 1
-
-
-def _hf_score(generated: list[int], cum: float) -> float:
-    return cum / len(generated)  # HF: the generated length, EOS included, length_penalty 1
+        ended += sum(g[-1] == EOS for g, _ in got)
+        full += sum(len(g) == MAX_TOKENS and g[-1] != EOS for g, _ in got)
+    assert ended and full, (ended, full)  # both kinds of finished sequences were compared
 
 
 def test_beams_share_the_prompts_kv_blocks(llm):
