@@ -85,8 +85,9 @@ class SpecDecodeScheduling:
 
     def holds_back(self, request: Request) -> bool:
         """Async scheduling: a speculating request with a step in flight waits for it (its
-        drafts come back with that step)."""
-        return request.num_output_placeholders > 0 and request.spec is True
+        drafts come back with that step). Not judged yet (None: its prefill is in flight)
+        counts as speculating, so its first decode can verify the prefill's drafts."""
+        return self.enabled and request.num_output_placeholders > 0 and request.spec is not False
 
     def on_verified(self, request: Request, num_drafts: int, num_emitted: int) -> int:
         """Count a verify step of `num_drafts` drafts that emitted `num_emitted` tokens (before
