@@ -1,8 +1,9 @@
 """LLM.embed with runner="pooling": embeddings equal HF transformers' final hidden states
 (after the final norm) pooled the same way, in float32 — last token (the default, normalized),
 mean over the prompt (also across prefill chunks), first token; batched prompts of different
-lengths equal each alone; tensor parallelism (mp) and pipeline stages equal uni. And the
-refusals: generation on a pooling engine, embed on a generating one, options not built."""
+lengths equal each alone; tensor parallelism (mp, TP=3 on the default model) and pipeline
+stages equal uni. And the refusals: generation on a pooling engine, embed on a generating
+one, options not built."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog and keeps running far away
 MIN_COSINE = 0.9999
 # A small KV cache: allocating the default share of memory costs seconds per engine.
 TINY = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 1 << 22}
+DEFAULT = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
 
 
 def _hf_hidden(folder, ids_list: list[list[int]]) -> list[torch.Tensor]:
@@ -36,6 +38,41 @@ def _cosine(a, b) -> float:
 
 def _embed(llm: LLM, prompts, params=None) -> list[list[float]]:
     return [o.outputs.embedding for o in llm.embed(prompts, params, use_tqdm=False)]
+
+
+# The default model's tests come first in the file: while no in-process (uni) engine is
+# alive (llama_last's stays up for the module), the mp engine's workers are forked, not
+# spawned (3 spawned workers re-importing torch cost ~8 s more on 2 cores).
+@pytest.fixture(scope="module")
+def default_last(default_model_path) -> list:
+    """The default model's default pooling (LAST, normalized) on uni: its outputs of TEXTS[:2]
+    (the engine shut down at once)."""
+    llm = LLM(str(default_model_path), runner="pooling", **DEFAULT)
+    try:
+        return llm.embed(TEXTS[:2], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_equals_hf(default_last, hf_default_model):
+    with torch.no_grad():
+        for out in default_last:
+            h = hf_default_model.model(torch.tensor([out.prompt_token_ids])).last_hidden_state
+            want = torch.nn.functional.normalize(h[0, -1], dim=0)
+            assert _cosine(out.outputs.embedding, want) >= MIN_COSINE
+
+
+def test_default_model_tp3_equals_tp1(default_model_path, default_last):
+    """TP=3 on mp (9 query and 3 KV heads: one KV head per rank) equals uni's TP=1."""
+    llm = LLM(str(default_model_path), runner="pooling", **DEFAULT,
+              distributed_executor_backend="mp", tensor_parallel_size=3)
+    try:
+        got = _embed(llm, TEXTS[:2])
+    finally:
+        llm.shutdown()
+    for vec, out in zip(got, default_last, strict=True):
+        assert _cosine(vec, out.outputs.embedding) >= 0.99999
+        assert np.allclose(vec, out.outputs.embedding, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -105,33 +142,17 @@ def test_mean_and_cls_across_prefill_chunks_equal_hf(tiny_qwen2_dir, pooling, op
         assert np.allclose(out.outputs.embedding, want.numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
-                                      {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
-def test_mp_parallel_equals_uni(tiny_llama_dir, llama_last, parallel):
-    # With stages the vector comes from the last stage's output rank (mp response queue).
+def test_mp_stages_equal_uni(tiny_llama_dir, llama_last):
+    # The vector comes from the last stage's output rank (mp response queue).
     _, outs, _ = llama_last
     llm = LLM(str(tiny_llama_dir), runner="pooling", **TINY,
-              distributed_executor_backend="mp", **parallel)
+              distributed_executor_backend="mp", pipeline_parallel_size=2)
     try:
         got = _embed(llm, TEXTS)
     finally:
         llm.shutdown()
     for vec, out in zip(got, outs, strict=True):
         assert _cosine(vec, out.outputs.embedding) >= 0.99999
-
-
-def test_default_model_equals_hf(default_model_path, hf_default_model):
-    llm = LLM(str(default_model_path), runner="pooling", dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=32 << 20)
-    try:
-        outs = llm.embed(TEXTS[:2], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    with torch.no_grad():
-        for out in outs:
-            h = hf_default_model.model(torch.tensor([out.prompt_token_ids])).last_hidden_state
-            want = torch.nn.functional.normalize(h[0, -1], dim=0)
-            assert _cosine(out.outputs.embedding, want) >= MIN_COSINE
 
 
 def test_generate_on_pooling_and_embed_on_generate_are_refused(llama_last, tiny_llama_dir):
