@@ -17,8 +17,11 @@ the ratio shardserve / HF is taken within that round; the table shows the median
 per-round ratios and their range. The tok/s columns are medians over the rounds, and "of bound"
 is the median of the per-round decode / bound.
 
---logits-controls sets a logit_bias (16 tokens, small biases) and bad_words on every shardserve
-request, to compare with a run without it (the batched controls should cost ~nothing).
+--logits-controls adds a third side: shardserve with a logit_bias (16 tokens, small biases) and
+bad_words on every request, run back to back with the plain shardserve side and HF in each
+round; a last table shows ours without and with the controls and the per-round ratio with /
+without (median, range: the batched controls should cost ~nothing, >= 0.95x). Issue 28's check
+is at batch 32: `--widths 32 --logits-controls`.
 
 Threads: HF (and the bandwidth probe) run on the thread shardserve's in-process workers use
 (`uniproc.worker_thread()`), so the process has one OpenMP pool, as each side has when it runs
@@ -44,6 +47,7 @@ BW_BUFFER_FLOATS = 128 * 2**20  # 512 MiB of float32
 # --logits-controls: what every request carries (small biases: the text stays the model's).
 LOGITS_CONTROLS = {"logit_bias": {t: 0.5 - (t % 3) * 0.25 for t in range(1000, 1016)},
                    "bad_words": ["banana split", "xylophone", "Furthermore"]}
+CONTROLS_SIDE = "ours+controls"
 
 
 def on_worker_thread(fn, *args):
@@ -125,19 +129,24 @@ class DtypeBench:
         runner = self.engines[self.widths[0]].engine.core.executor.worker.model_runner
         self.weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         for w in self.widths:  # the same untimed short run for each side, at each width
-            ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS, self.controls)
+            ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS)
+            if self.controls:
+                ours_tok_s(self.engines[w], prompts, WARMUP_TOKENS, self.controls)
             hf_tok_s(self.hf, hf_tok, prompts, WARMUP_TOKENS, w)
         decode1(self.engines[self.widths[-1]], prompts[0], steps=4)
 
     def round(self, r: int, samples: Rounds, buf: torch.Tensor) -> None:
-        """Each width: both sides back to back (alternating order); then bandwidth + decode."""
+        """Each width: every side back to back (rotating order); then bandwidth + decode."""
         n = self.args.max_tokens
         sides = {
-            "ours": lambda w: ours_tok_s(self.engines[w], self.prompts, n, self.controls),
+            "ours": lambda w: ours_tok_s(self.engines[w], self.prompts, n),
             "hf": lambda w: hf_tok_s(self.hf, self.hf_tok, self.prompts, n, w),
         }
+        if self.controls:
+            sides[CONTROLS_SIDE] = lambda w: ours_tok_s(self.engines[w], self.prompts, n,
+                                                        self.controls)
         for w in self.widths:
-            for side in rotated(["ours", "hf"], r):
+            for side in rotated(list(sides), r):
                 samples.add((side, w), sides[side](w))
         bw = read_bandwidth(buf)
         tok_s = decode1(self.engines[self.widths[-1]], self.prompts[0])
@@ -147,6 +156,8 @@ class DtypeBench:
         line = ", ".join(
             f"b={w} {samples.values(('ours', w))[-1]:.0f} vs "
             f"{samples.values(('hf', w))[-1]:.0f} tok/s"
+            + (f" (ours with controls {samples.values((CONTROLS_SIDE, w))[-1]:.0f})"
+               if self.controls else "")
             for w in self.widths
         )
         print(
@@ -209,6 +220,20 @@ def report(rows: list[tuple[str, Rounds, int]], widths: list[int], args) -> None
         )
 
 
+def report_controls(rows: list[tuple[str, Rounds, int]], widths: list[int]) -> None:
+    """--logits-controls: ours without and with them, the ratio with / without per round."""
+    print("\nlogits controls (logit_bias + bad_words on every request): shardserve with / "
+          "without, median of per-round ratios (range)")
+    print(f"{'dtype':<10}{'width':>6}{'without tok/s':>15}{'with tok/s':>12}{'ratio':>8}"
+          f"{'range':>12}")
+    for dtype, s, _ in rows:
+        for w in widths:
+            ratios = s.ratios((CONTROLS_SIDE, w), ("ours", w))
+            print(f"{dtype:<10}{w:>6}{s.median(('ours', w)):>15.1f}"
+                  f"{s.median((CONTROLS_SIDE, w)):>12.1f}{median_or_nan(ratios):>7.2f}x"
+                  f"{spread(ratios):>12}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -217,7 +242,8 @@ def main() -> None:
     ap.add_argument("--widths", default="32,64", help="batch widths, both sides (max_num_seqs)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median ratio")
     ap.add_argument("--logits-controls", action="store_true",
-                    help="logit_bias and bad_words on every shardserve request")
+                    help="also shardserve with logit_bias and bad_words on every request, "
+                    "beside it without them (the ratio with / without)")
     args = ap.parse_args()
     prompts = make_prompts(args.num_prompts)
     buf = on_worker_thread(torch.ones, BW_BUFFER_FLOATS)
@@ -226,7 +252,10 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         rows.append((dtype, *bench_dtype(dtype, hf_model, hf_tok, prompts, args, buf)))
         gc.collect()
-    report(rows, [int(w) for w in args.widths.split(",")], args)
+    widths = [int(w) for w in args.widths.split(",")]
+    report(rows, widths, args)
+    if args.logits_controls:
+        report_controls(rows, widths)
 
 
 if __name__ == "__main__":
