@@ -191,7 +191,26 @@ class OutputProcessor:
             self._parent_of.pop(child_id, None)
 
     def _update_child(self, child: _ChildState, out: EngineCoreOutput) -> bool:
-        """Returns True when a stop string ended the sequence (the engine must abort it)."""
+        """Returns True when a stop string ended the sequence (the engine must abort it).
+
+        A step of speculative decoding brings several tokens: with stop strings they are taken
+        one at a time, so those after the token that completes a stop string are dropped, as an
+        engine that samples one token a step never produces them."""
+        tokens = out.new_token_ids
+        if len(tokens) < 2 or not child.params.stop or not child.params.detokenize:
+            return self._update_child_by(child, out)
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            one = EngineCoreOutput(
+                out.request_id, [token], out.finish_reason if last else None,
+                out.stop_reason if last else None,
+                new_logprobs=out.new_logprobs[i:i + 1] if out.new_logprobs else None)
+            hit = self._update_child_by(child, one)
+            if child.finish_reason is not None:  # the engine is told only if it still runs
+                return hit and out.finish_reason is None
+        return False
+
+    def _update_child_by(self, child: _ChildState, out: EngineCoreOutput) -> bool:
         child.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and child.logprobs is not None:
             self._add_logprobs(child, out)

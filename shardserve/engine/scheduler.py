@@ -177,10 +177,12 @@ class Scheduler(SchedulerResults):
         (a draft proposed while another step for it ran is stale), within the budget, the
         model's length and max_tokens (tokens past either would be dropped anyway)."""
         usable = n == 1 and request.num_computed_tokens == request.num_tokens - 1 \
-            and not request.num_output_placeholders and request.grammar is None
+            and not request.num_output_placeholders
         room = min(self.max_model_len - request.num_tokens,
                    request.max_output_tokens - len(request.output_token_ids)) - 1
-        return self.spec.take_drafts(request, usable, budget, room, len(self.running))
+        drafts = self.spec.take_drafts(request, usable, budget, room, len(self.running))
+        # Usable drafts follow every folded token, so the matcher has taken them all.
+        return request.grammar.valid_drafts(drafts) if request.grammar is not None else drafts
 
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request can compute now: known ones and in-flight placeholders
@@ -295,6 +297,7 @@ class Scheduler(SchedulerResults):
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed for positions it will recompute
         request.num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.put_back([request])

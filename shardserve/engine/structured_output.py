@@ -6,6 +6,11 @@ constrained request, and each step's token bitmask (xgrammar, as vLLM uses).
     bitmask     ──▶ GrammarOutput (one packed row a constrained request) ──▶ sample_tokens
     update_from_output ──▶ the matcher accepts the sampled token
 
+Speculative decoding: a constrained request verifies only the drafts its grammar accepts
+(RequestGrammar.valid_drafts, when the scheduler takes them: every earlier token is then
+folded in), and its bitmask has a row for every verified position, filled with the matcher
+advanced through the drafts before it and rolled back after.
+
 The ordering constraint (asynchronous scheduling): the row of a request that samples output
 token p can only be filled once its matcher has accepted tokens 0..p-1, and with two steps in
 flight token p-1 may still be sampling. `bitmask()` returns None until then; the engine core
@@ -119,6 +124,35 @@ class RequestGrammar:
     def terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The leading drafts the grammar accepts after the tokens it has taken, up to one that
+        would end it (a draft the grammar rejects is never verified, so never accepted; the
+        token that ends the grammar is left to be sampled). The matcher is left as it was."""
+        if self.matcher is None or not drafts:
+            return drafts
+        accepted = taken = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+            taken += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return drafts[:taken]
+
+    def fill_rows(self, view: Any, row: int, drafts: list[int]) -> None:
+        """Bitmask rows row .. row + len(drafts): the tokens allowed at each verified position,
+        after the drafts before it (which valid_drafts let through); the matcher is left as it
+        was."""
+        self.matcher.fill_next_token_bitmask(view, row)
+        for j, token in enumerate(drafts, start=1):
+            self.matcher.accept_token(token)
+            self.matcher.fill_next_token_bitmask(view, row + j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
 
 class StructuredOutputManager:
     """Compiles grammars on one background thread (cached by spec) and builds step bitmasks."""
@@ -176,15 +210,20 @@ class StructuredOutputManager:
             grammar = grammars.get(rid)
             if grammar is not None and grammar.num_accepted < position:
                 return None
-        bitmask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        # Speculative decoding: a request verifying d drafts has 1 + d rows, its id repeated.
+        spec = so.scheduled_spec_decode_tokens
+        req_ids = [rid for rid in rows for _ in range(1 + len(spec.get(rid, ())))]
+        bitmask = np.full((len(req_ids), self.words), -1, dtype=np.int32)
         import torch  # xgrammar fills torch tensors; the array shares their memory
 
         view = torch.from_numpy(bitmask)
-        for i, rid in enumerate(rows):
-            grammar = grammars.get(rid)
+        row = 0
+        for rid in rows:
+            grammar, drafts = grammars.get(rid), spec.get(rid, [])
             if grammar is not None and grammar.matcher is not None:
-                grammar.matcher.fill_next_token_bitmask(view, i)
-        return GrammarOutput(req_ids=list(rows), token_bitmask=bitmask)
+                grammar.fill_rows(view, row, drafts)
+            row += 1 + len(drafts)
+        return GrammarOutput(req_ids=req_ids, token_bitmask=bitmask)
 
     def shutdown(self) -> None:
         if self._pool is not None:

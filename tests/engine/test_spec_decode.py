@@ -7,7 +7,9 @@ reference), then 1, 3 and 5: the scheduler's cap on drafts per step (`scheduler.
 between generate calls, the proposer proposing 5 tokens and a step verifying the first k, which
 is what an engine built with k verifies (an n-gram draft is the k tokens that followed the
 match, so a shorter one is its prefix). The reference's 8 oracle prompts also equal HF's greedy
-output, so it is the plain engine's. The same cases then run on an asynchronous engine.
+output, so it is the plain engine's. (Asynchronous scheduling, preemption, mp TP=3 and PP=2,
+sampling and structured outputs: test_spec_decode_backends.py and test_spec_decode_sampling.py,
+on a tiny model.)
 """
 
 from __future__ import annotations
@@ -98,14 +100,3 @@ def _check(llm: LLM, base: list[list[int]], want: list[tuple], ks: tuple[int, ..
 
 def test_ngram_greedy_identical_k_1_3_5(sync_engine, reference):
     _check(sync_engine, *reference, ks=(1, 3, 5))
-
-
-def test_ngram_greedy_identical_async(reference):
-    """Asynchronous scheduling: a speculating request waits for its step (its drafts come with
-    it) while the engine keeps two steps in flight."""
-    llm = LLM(dtype="float32", max_model_len=512, speculative_config=NGRAM)
-    try:
-        assert llm.engine.core.max_concurrent_batches == 2
-        _check(llm, *reference, ks=(5,))
-    finally:
-        llm.shutdown()
