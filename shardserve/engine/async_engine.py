@@ -37,6 +37,7 @@ from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
 from shardserve.engine.core_wire import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
 from shardserve.engine.input_processor import InputProcessor
 from shardserve.engine.output_processor import OutputProcessor
+from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.errors import EngineDeadError
 from shardserve.messages import EngineCoreOutput
 from shardserve.model.loader import load_tokenizer
@@ -121,6 +122,7 @@ class AsyncEngineClient:
         self._outputs_task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._tokens_since_log = [0, 0]  # prompt, generated
+        self._spec_logged = SchedulerStats()  # the totals of the last stats line
         # Spawns every replica's engine core and waits until each has loaded its model.
         self.replicas = AsyncMPClient(config, start_timeout_s)
         self.router = self.replicas.router
@@ -342,6 +344,9 @@ class AsyncEngineClient:
                     "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
                     prompt / elapsed, generated / elapsed, stats.num_running,
                     stats.num_waiting, 100 * stats.kv_cache_usage)
+            line, self._spec_logged = spec_decode_line(stats, self._spec_logged)
+            if line:
+                logger.info("%s", line)
 
     def _on_process_exit(self, proc: EngineCoreProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)

@@ -19,6 +19,7 @@ call id and is answered once by each.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # totals since start (tokens)
     prefix_cache_hits: int = 0
     requests_added: int = 0  # "add" messages applied since start
+    # Speculative decoding, totals since start (engine/spec_decode_scheduling.py).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
@@ -72,8 +78,12 @@ def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     total = SchedulerStats()
     for s in replicas:
         for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
-                     "prefix_cache_hits", "requests_added"):
+                     "prefix_cache_hits", "requests_added", "spec_num_drafts",
+                     "spec_num_draft_tokens", "spec_num_accepted_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.spec_accepted_per_pos = [
+            a + b for a, b in itertools.zip_longest(total.spec_accepted_per_pos,
+                                                    s.spec_accepted_per_pos, fillvalue=0)]
     total.kv_cache_usage = sum(s.kv_cache_usage for s in replicas) / max(1, len(replicas))
     return total
 
@@ -81,9 +91,11 @@ def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
 def scheduler_stats(core: Any, requests_added: int = 0) -> SchedulerStats:
     """The figures an EngineCore reports with every message."""
     sched = core.scheduler
+    spec = sched.spec.stats
     return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
                           sched.total_preemptions, sched.kv.stats.queries, sched.kv.stats.hits,
-                          requests_added)
+                          requests_added, spec.num_drafts, spec.num_draft_tokens,
+                          spec.num_accepted_tokens, list(spec.accepted_per_pos))
 
 
 @dataclass

@@ -106,3 +106,21 @@ class SpecDecodeScheduling:
     def finish(self, request_id: str) -> None:
         if self.gate is not None:
             self.gate.finish(request_id)
+
+
+def spec_decode_line(stats: Any, last: Any) -> tuple[str | None, Any]:
+    """The periodic stats line of speculative decoding over the interval since `last` (both
+    core_wire.SchedulerStats totals), as vLLM logs it; None when no verify step ran. Returns
+    the line and the totals to diff against next time."""
+    steps = stats.spec_num_drafts - last.spec_num_drafts
+    if steps <= 0:
+        return None, stats
+    drafted = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+    before = list(last.spec_accepted_per_pos) + [0] * len(stats.spec_accepted_per_pos)
+    per_pos = ", ".join(f"{(n - before[i]) / steps:.3f}"
+                        for i, n in enumerate(stats.spec_accepted_per_pos))
+    line = (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / steps:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance "
+            f"rate: {per_pos}, Avg Draft acceptance rate: {100 * accepted / max(1, drafted):.1f}%")
+    return line, stats

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from shardserve.engine.config_builder import engine_config_from_kwargs
+from shardserve.engine.core_wire import sum_stats
 from shardserve.engine.llm_engine import LLMEngine, PromptType
 from shardserve.engine.pooling import embedding_output, pooling_params_list
 from shardserve.entrypoints.beam_search import BeamSearchOutput, run_beam_search
@@ -187,18 +188,26 @@ class LLM:
                 bar.close()
         return finished
 
-    def get_metrics(self) -> dict[str, float]:
+    def get_metrics(self) -> dict[str, Any]:
         """Engine counters since start: prefix-cache queries and hits (prompt tokens) and the
-        hit rate, preemptions, running and waiting requests (summed over data-parallel
-        replicas, as they last reported)."""
-        replicas = self.engine.client.stats()
-        queries = sum(s.prefix_cache_queries for s in replicas)
-        hits = sum(s.prefix_cache_hits for s in replicas)
+        hit rate, preemptions, running and waiting requests, and speculative decoding's verify
+        steps, drafted and accepted tokens, accepted drafts per position (a list), acceptance
+        rate and mean acceptance length (tokens a verify step emits: 1 + accepted / steps)
+        (summed over data-parallel replicas, as they last reported)."""
+        total = sum_stats(self.engine.client.stats())
+        queries, hits = total.prefix_cache_queries, total.prefix_cache_hits
+        steps, drafted = total.spec_num_drafts, total.spec_num_draft_tokens
+        accepted = total.spec_num_accepted_tokens
         return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
                 "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                "num_preemptions": sum(s.num_preemptions for s in replicas),
-                "num_requests_running": sum(s.num_running for s in replicas),
-                "num_requests_waiting": sum(s.num_waiting for s in replicas)}
+                "num_preemptions": total.num_preemptions,
+                "num_requests_running": total.num_running,
+                "num_requests_waiting": total.num_waiting,
+                "spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_accepted_tokens_per_pos": total.spec_accepted_per_pos,
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}
 
     def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs=None

@@ -83,11 +83,20 @@ class ModelRunner:
         model.load_weights(iter_weights(self.config.model_config.path,
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
-        spec = self.config.speculative_config
-        if spec is not None and get_pp_group().is_last and get_tp_group().rank == 0 \
+        if self.config.speculative_config is not None and self._proposes() \
                 and self.drafter is None:
-            self.drafter = Drafter(spec, self.config.model_config.max_model_len)
+            self.drafter = Drafter(self.config.speculative_config,
+                                   self.config.model_config.max_model_len)
             self.step_sampler.drafter = self.drafter
+
+    def _proposes(self) -> bool:
+        """Whether this rank proposes drafts: the one whose reply the engine reads (the first
+        of the last stage), or under external_launcher every rank of the last stage (each
+        rank's engine reads its own worker's reply; the proposals agree, as the samples do)."""
+        if not get_pp_group().is_last:
+            return False
+        pc = self.config.parallel_config
+        return get_tp_group().rank == 0 or pc.distributed_executor_backend == "external_launcher"
 
     def kv_cache_block_bytes(self) -> int:
         model = self._require_model()

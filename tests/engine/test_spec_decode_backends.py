@@ -7,17 +7,22 @@ sampled one)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from shardserve import LLM
+from shardserve import LLM, SamplingParams
+from shardserve.engine.core_wire import SchedulerStats, scheduler_stats
+from shardserve.engine.spec_decode_scheduling import spec_decode_line
+from shardserve.entrypoints.server.metrics import ServerMetrics
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_cases import NGRAM, run_cases  # noqa: E402
+from spec_cases import NGRAM, PROMPTS, run_cases  # noqa: E402
 
 K = 3
 
@@ -38,16 +43,20 @@ def _shutdown(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def sync_runs(echo_model) -> tuple[dict[str, list[tuple]], tuple, dict[str, int]]:
+def sync_runs(echo_model) -> tuple[dict[str, list[tuple]], tuple, dict[str, int], Any]:
     """The synchronous engine: without speculation (no drafts verified: the reference), with
-    it, and the drafts each group accepts on its own."""
+    it, the drafts each group accepts on its own, and its figures then (get_metrics, the
+    counters of the scheduler and of the core's stats message)."""
     llm = _engine(echo_model, async_scheduling=False)
     try:
         reference, accepted = run_cases(llm, k=0)
         assert not accepted
         with_spec = run_cases(llm, k=K)
         alone = {name: run_cases(llm, k=K, groups=(name,))[1] for name in reference}
-        return reference, with_spec, alone
+        core = llm.engine.core
+        figures = (llm.get_metrics(), copy.deepcopy(core.scheduler.spec.stats),
+                   scheduler_stats(core))
+        return reference, with_spec, alone, figures
     finally:
         _shutdown(llm)
 
@@ -68,11 +77,39 @@ def _check_runs(runs: tuple[dict[str, list[tuple]], int], reference: dict) -> No
 
 
 def test_sync_identical(sync_runs):
-    reference, with_spec, alone = sync_runs
+    reference, with_spec, alone, _ = sync_runs
     _check_runs(with_spec, reference)
     assert all(alone.values()), alone  # every group on its own verifies drafts
     for _, text, reason in reference["structured"]:
         assert reason == "stop", text
+
+
+def test_metrics(sync_runs):
+    """LLM.get_metrics(), /metrics (vLLM's spec_decode counters under our prefix) and the
+    periodic stats line report the scheduler's counts."""
+    metrics, stats, wire = sync_runs[3]
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)
+    assert metrics["spec_decode_num_drafts"] == stats.num_drafts
+    assert metrics["spec_decode_num_draft_tokens"] == stats.num_draft_tokens
+    assert metrics["spec_decode_num_accepted_tokens"] == stats.num_accepted_tokens
+    assert metrics["spec_decode_num_accepted_tokens_per_pos"] == stats.accepted_per_pos
+    assert metrics["spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + stats.num_accepted_tokens / stats.num_drafts)
+    server = ServerMetrics()
+    server.on_stats(0, SchedulerStats())
+    server.on_stats(0, wire)
+    text = server.render().decode()
+    assert f"shardserve:spec_decode_num_drafts_total {float(stats.num_drafts)}" in text
+    assert f"shardserve:spec_decode_num_accepted_tokens_total " \
+        f"{float(stats.num_accepted_tokens)}" in text
+    assert f'shardserve:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
+        f"{float(stats.accepted_per_pos[0])}" in text
+    line, _ = spec_decode_line(wire, SchedulerStats())
+    assert f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: " \
+        f"{stats.num_draft_tokens} tokens" in line
+    assert spec_decode_line(wire, wire)[0] is None  # nothing verified since
 
 
 def test_async_identical(echo_model, reference):
@@ -100,5 +137,27 @@ def test_mp_identical(echo_model, reference, layout):
     llm = _engine(echo_model, distributed_executor_backend="mp", **layout)
     try:
         _check(llm, reference)
+    finally:
+        _shutdown(llm)
+
+
+def test_never_slower_gates(echo_model):
+    """Above max_batch_for_speculation running requests nothing is drafted (the workers
+    propose nothing); a request whose drafts are rejected stops verifying drafts for
+    speculation_backoff_steps steps, the others go on."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    rejected, accepted = {"prompt_token_ids": PROMPTS[2]}, {"prompt_token_ids": PROMPTS[0]}
+    llm = _engine(echo_model, async_scheduling=False,
+                  speculative_config={**NGRAM, "max_batch_for_speculation": 2,
+                                      "min_acceptance_rate": 1.0,
+                                      "speculation_backoff_steps": 1000})
+    try:
+        stats = llm.engine.core.scheduler.spec.stats
+        llm.generate([accepted] * 3, greedy, use_tqdm=False)
+        assert stats.num_drafts == 0  # 3 running > 2
+        llm.generate([rejected], greedy, use_tqdm=False)
+        assert stats.num_drafts == 1 and stats.num_accepted_tokens == 0  # then paused
+        llm.generate([accepted], greedy, use_tqdm=False)
+        assert stats.num_drafts > 2 and stats.num_accepted_tokens > 10  # all accepted: on
     finally:
         _shutdown(llm)

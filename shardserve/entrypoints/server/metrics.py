@@ -64,7 +64,20 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter("shardserve:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.", registry=r)
+        # Speculative decoding, vLLM's counters (vllm:spec_decode_*) under our prefix.
+        self.spec_drafts = Counter("shardserve:spec_decode_num_drafts",
+                                   "Verify steps of a request with at least one draft.",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("shardserve:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.", registry=r)
+        self.spec_accepted = Counter("shardserve:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "shardserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft of a step).",
+            ["position"], registry=r)
         self._prefix_seen: dict[int, tuple[int, int]] = {}  # each engine's totals last applied
+        self._spec_seen: dict[int, tuple[int, int, int, list[int]]] = {}  # the same, spec
         self._labelled: set[int] = set()  # replicas with gauges
         self._timings: dict[str, _Timing] = {}
 
@@ -85,6 +98,7 @@ class ServerMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(str(index))
         self._prefix_seen.pop(index, None)
+        self._spec_seen.pop(index, None)
         self._labelled.discard(index)
 
     def on_stats(self, engine: int, stats) -> None:
@@ -98,6 +112,20 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, queries - seen_queries))
         self.prefix_hits.inc(max(0, hits - seen_hits))
         self._prefix_seen[engine] = (queries, hits)
+        self._on_spec_stats(engine, stats)
+
+    def _on_spec_stats(self, engine: int, stats) -> None:
+        """The counters grow by what the replica's totals grew since it last reported."""
+        now = (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+               stats.spec_num_accepted_tokens, list(stats.spec_accepted_per_pos))
+        seen = self._spec_seen.get(engine, (0, 0, 0, []))
+        for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens,
+                                      self.spec_accepted), now[:3], seen[:3], strict=True):
+            counter.inc(max(0, new - old))
+        for pos, count in enumerate(now[3]):
+            old = seen[3][pos] if pos < len(seen[3]) else 0
+            self.spec_accepted_per_pos.labels(position=str(pos)).inc(max(0, count - old))
+        self._spec_seen[engine] = now
 
     def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None:
         now = time.monotonic()
