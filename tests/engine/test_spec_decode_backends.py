@@ -112,6 +112,17 @@ def test_metrics(sync_runs):
     assert spec_decode_line(wire, wire)[0] is None  # nothing verified since
 
 
+def test_suffix_identical(echo_model, reference):
+    """Suffix decoding (worker/spec_decode/suffix_tree.py) proposes through the same path."""
+    suffix = {"method": "suffix", "num_speculative_tokens": K, "max_batch_for_speculation": 64,
+              "min_acceptance_rate": 0.0}
+    llm = _engine(echo_model, async_scheduling=False, speculative_config=suffix)
+    try:
+        _check(llm, reference)
+    finally:
+        _shutdown(llm)
+
+
 def test_async_identical(echo_model, reference):
     llm = _engine(echo_model)
     try:
