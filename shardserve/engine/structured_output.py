@@ -26,13 +26,14 @@ import json
 import logging
 import math
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shardserve.executor.start_method import QuietThreadPool
 from shardserve.messages import GrammarOutput, SchedulerOutput
 from shardserve.sampling_params import StructuredOutputsParams
 
@@ -164,7 +165,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.words = math.ceil(vocab_size / 32)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: QuietThreadPool | None = None  # idle, it lets mp workers fork
         self._compiler: Any = None  # made on the grammar thread
         self._cache: dict[tuple, Future] = {}
 
@@ -173,7 +174,7 @@ class StructuredOutputManager:
         future = self._cache.get(key)
         if future is None:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardserve-grammar")
+                self._pool = QuietThreadPool("shardserve-grammar")
             future = self._cache[key] = self._pool.submit(self._compile, spec)
         return RequestGrammar(future)
 

@@ -109,6 +109,8 @@ class MultiprocExecutor(Executor):
                       ranks=self.local_ranks, into=self.workers,
                       local_ranks=[pc.layout.local_rank_of(r, pc.data_parallel_rank)
                                    for r in self.local_ranks])
+        if self.remote is not None:  # only now: its thread would rule out forking the workers
+            self.remote.watch()
         self._check_nodes()
         wait_for_ready(self.workers, timeout_s)
         replies = [h.reply_handle for h in self.workers]

@@ -14,55 +14,42 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from shardserve.executor.abstract import Executor
-from shardserve.executor.start_method import count_as_idle
+from shardserve.executor.start_method import QuietThreadPool
 from shardserve.worker.build import build_worker
 from shardserve.worker.worker import Worker, run_method
 
-_thread: ThreadPoolExecutor | None = None
+_thread: QuietThreadPool | None = None
 _thread_lock = threading.Lock()
-_live_executors = 0  # UniProcExecutors started and not shut down; the thread idles at 0
 
 
-def worker_thread() -> ThreadPoolExecutor:
+def worker_thread() -> QuietThreadPool:
     """The process's one thread for in-process workers (started on first use, kept for the
-    life of the process; idle, it waits on a queue and costs nothing). With no engine on it,
-    it does not keep a later mp engine from forking its workers (start_method.py)."""
+    life of the process; idle, it waits on a queue and costs nothing). Between calls it does
+    not keep an mp engine from forking its workers (start_method.py): an engine idle on it,
+    or one shut down, holds nothing a child could need."""
     global _thread
     with _thread_lock:
         if _thread is None:
-            _thread = ThreadPoolExecutor(1, thread_name_prefix="shardserve-worker")
-            count_as_idle(_thread.submit(threading.current_thread).result(),
-                          lambda: _live_executors == 0)
+            _thread = QuietThreadPool("shardserve-worker")
         return _thread
 
 
 def _forget_thread_in_child() -> None:
     """A forked child has no copy of the pool's thread: it starts its own on first use."""
-    global _thread, _thread_lock, _live_executors
-    _thread, _thread_lock, _live_executors = None, threading.Lock(), 0
+    global _thread, _thread_lock
+    _thread, _thread_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_thread_in_child)
 
 
-def _count_executor(delta: int) -> None:
-    global _live_executors
-    with _thread_lock:
-        _live_executors += delta
-
-
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        _count_executor(+1)
-        try:
-            self.worker = self._on_worker_thread(self._build_worker)
-        except BaseException:
-            _count_executor(-1)
-            raise
+        self.worker = self._on_worker_thread(self._build_worker)
 
     def _build_worker(self) -> Worker:
         """This process's worker (of parallel_config.worker_cls), started: on the worker thread."""
@@ -98,7 +85,4 @@ class UniProcExecutor(Executor):
         return future if non_block else future.result()
 
     def _shutdown(self) -> None:  # Executor.shutdown: once, under its lock
-        try:
-            self._on_worker_thread(self.worker.shutdown)
-        finally:
-            _count_executor(-1)
+        self._on_worker_thread(self.worker.shutdown)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -182,17 +183,25 @@ def test_engine_left_for_exit_closes_quietly(tiny_llama_dir, tmp_path):
         proc.stderr[-2000:]
 
 
-def test_the_worker_thread_stands_in_forks_way_only_while_an_engine_uses_it(tiny_llama_dir):
-    """The in-process worker thread outlives its engines; between them it only waits on its
-    queue, so a later mp engine may still fork its workers (a Python thread that may hold a
-    lock rules fork out: executor/start_method.py)."""
+def test_the_worker_thread_stands_in_forks_way_only_while_it_runs_a_call(executor):
+    """The in-process worker thread outlives its engines; between calls it only waits on its
+    queue, so an mp engine may still fork its workers then (a Python thread that may hold a
+    lock rules fork out: executor/start_method.py). An engine on it, idle, is no obstacle."""
+    import threading
+
+    from shardserve.executor import uniproc
     from shardserve.executor.start_method import _why_fork_is_unsafe
 
-    config = engine_config_from_kwargs(str(tiny_llama_dir), dtype="float32", max_model_len=128)
-    first = UniProcExecutor(config)
-    second = UniProcExecutor(config)
-    assert "shardserve-worker" in (_why_fork_is_unsafe() or "")
-    first.shutdown()
-    assert "shardserve-worker" in (_why_fork_is_unsafe() or ""), "one engine still uses it"
-    second.shutdown()
+    assert "shardserve-worker" not in (_why_fork_is_unsafe() or "")
+    release = threading.Event()
+    busy = executor.collective_rpc(lambda worker: release.wait(30), non_block=True)
+    try:
+        assert "shardserve-worker" in (_why_fork_is_unsafe() or "")
+    finally:
+        release.set()
+    assert busy.result(timeout=30) == [True]
+    # Its done-callback (the count) runs on the worker thread just after the result is set.
+    deadline = time.monotonic() + 10
+    while uniproc.worker_thread().pending and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert "shardserve-worker" not in (_why_fork_is_unsafe() or "")

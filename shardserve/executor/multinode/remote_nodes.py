@@ -96,7 +96,7 @@ class RemoteNodes:
     # ---- start-up (calling thread) ----
     def start_nodes(self, config: EngineConfig, broadcast: Handle, init_method: str,
                     timeout_s: float) -> None:
-        """Wait for every headless node's hello, send each its NodeStart, start watching."""
+        """Wait for every headless node's hello and send each its NodeStart; `watch` next."""
         deadline = time.monotonic() + timeout_s
         while len(self.nodes) < len(self.expected):
             if time.monotonic() >= deadline:
@@ -108,6 +108,11 @@ class RemoteNodes:
                 raise WorkerStartupError(self.failure)
         for node in self.nodes.values():
             send(self._sock, NodeStart(config, broadcast, init_method, node.ranks), node.identity)
+
+    def watch(self) -> None:
+        """From here on the link is served on a thread of its own. Called after this node's
+        workers have started: a Python thread of ours running at fork time would make them
+        start with spawn (executor/start_method.py), a fresh interpreter each."""
         self._thread = threading.Thread(target=self._watch, name="shardserve-node-watch",
                                         daemon=True)
         self._thread.start()
