@@ -204,10 +204,13 @@ class ModelRunner:
             s.num_computed_tokens += n
         logits = None
         row_drafts = [drafts[i] for i in rows] if spec else None
-        if rows:
+        if rows and row_drafts is None:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
-            if row_drafts is not None:  # each verifying request's last 1 + d rows
-                idx = torch.tensor(verify_rows(idx.tolist(), row_drafts), dtype=torch.long)
+            logits = self._require_model().compute_logits(hidden[idx])
+        elif rows:  # each verifying request's last 1 + d rows (of the flat batch)
+            last = np.cumsum(query_lens) - 1
+            idx = torch.tensor(verify_rows([int(last[i]) for i in rows], row_drafts),
+                               dtype=torch.long)
             logits = self._require_model().compute_logits(hidden[idx])
         if rows or prompt_logprobs or pooled:
             self._pending = PendingSample([states[i] for i in rows], logits, prompt_logprobs,
@@ -264,17 +267,31 @@ class ModelRunner:
     def _prepare_inputs(
         self, states: list[CachedRequestState], query_lens: list[int], drafts: list[list[int]]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """A request's query: its scheduled known tokens, then the drafts it verifies."""
+        """A request's query: its scheduled known tokens, then the drafts it verifies.
+
+        A verifying request's positions go to attention as decode rows, each over the context
+        up to itself: every row's K/V is written before any row attends (in the layer-by-layer
+        path and in the fused one alike), so that is causal attention, and a verify step of
+        1 + d positions runs the decode kernels (fused, below DENSE_MIN_ROWS rows) as d + 1
+        decodes would, bit for bit."""
         tokens: list[int] = []
-        seq_lens = []
+        rows_q: list[int] = []
+        rows_seq: list[int] = []
+        rows_blocks: list[list[int]] = []
         for s, n, d in zip(states, query_lens, drafts, strict=True):
             start = s.num_computed_tokens
             tokens.extend(s.token_ids(start, start + n - len(d)))
             tokens.extend(d)
-            seq_lens.append(start + n)
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
-        )
+            if d and n == len(d) + 1:
+                rows_q += [1] * n
+                rows_seq += range(start + 1, start + n + 1)
+                rows_blocks += [s.block_ids] * n
+            else:
+                rows_q.append(n)
+                rows_seq.append(start + n)
+                rows_blocks.append(s.block_ids)
+        meta = AttentionMetadata.build(rows_q, rows_seq, rows_blocks, self.block_size,
+                                       self.device)
         input_ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         return input_ids, meta
 

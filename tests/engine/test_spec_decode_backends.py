@@ -20,6 +20,7 @@ from shardserve import LLM, SamplingParams
 from shardserve.engine.core_wire import SchedulerStats, scheduler_stats
 from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.entrypoints.server.metrics import ServerMetrics
+from shardserve.model import native_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from spec_cases import NGRAM, PROMPTS, run_cases  # noqa: E402
@@ -170,5 +171,34 @@ def test_never_slower_gates(echo_model):
         assert stats.num_drafts == 1 and stats.num_accepted_tokens == 0  # then paused
         llm.generate([accepted], greedy, use_tqdm=False)
         assert stats.num_drafts > 2 and stats.num_accepted_tokens > 10  # all accepted: on
+    finally:
+        _shutdown(llm)
+
+
+@pytest.mark.skipif(not native_kernels.compiler_available(), reason="no C compiler")
+def test_fused_decode_verifies_bit_identically(echo_model, monkeypatch):
+    """With quantized weights (int8, bfloat16 activations) a request alone runs each decode
+    through the fused C stack (model/fused_decode.py); its verify steps of 2-3 positions run
+    there too, as decode rows, and give the tokens of decoding one at a time."""
+    from shardserve.model.fused_decode import FusedDecode
+
+    rows: list[int] = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, x, *args: (rows.append(len(x)),
+                                                                        run(self, x, *args))[1])
+    llm = _engine(echo_model, dtype="bfloat16", quantization="int8", async_scheduling=False,
+                  speculative_config={**NGRAM, "num_speculative_tokens": 2})
+    try:
+        runs = {}
+        for k in (0, 2):
+            llm.engine.core.scheduler.spec.k = k
+            runs[k] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                       .outputs[0].token_ids for p in PROMPTS
+                       for params in (SamplingParams(max_tokens=24, temperature=0),
+                                      SamplingParams(max_tokens=24, temperature=1.0, seed=1))]
+            assert set(rows) == ({1} if k == 0 else {1, 2, 3}), k
+            rows.clear()
+        assert runs[2] == runs[0]
+        assert llm.engine.core.scheduler.spec.stats.num_accepted_tokens > 20
     finally:
         _shutdown(llm)
