@@ -44,8 +44,9 @@ class SchedulerResults:
                 continue  # finished or aborted while the step ran: its token is discarded
             request.num_output_placeholders -= 1
             tokens = self._fold_tokens(request, sched, output, offsets[j], offsets[j + 1])
-            if not request.status.is_finished and not request.num_output_placeholders:
-                request.spec_token_ids = drafts.get(rid, [])  # else stale: a step is under way
+            # Else stale: a step for it is under way, or it was preempted (recomputes first).
+            if request.status == RequestStatus.RUNNING and not request.num_output_placeholders:
+                request.spec_token_ids = drafts.get(rid, [])
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
