@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from shardserve.model import rejection_sampler
 from shardserve.model.sampler import RequestSamplingState
 
@@ -69,6 +71,31 @@ def keep_verified(drawn: Sequence[int], drafts: Sequence[Sequence[int]]) -> Veri
     return kept
 
 
+class _Tokens:
+    """A request's prompt + output as a growing int64 array (amortized O(1) a token): the
+    proposers search numpy arrays, and a Python list of thousands of ids costs tens of
+    microseconds to convert on every step."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.data = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
+        self.size = len(prompt)
+        self.data[:self.size] = prompt
+        self.num_prompt = len(prompt)
+
+    def sync(self, output: list[int], extra: list[int]) -> np.ndarray:
+        """The tokens for output + extra (output only ever grows; extra: tokens emitted this
+        step that the state does not hold yet)."""
+        new = output[self.size - self.num_prompt:] + extra
+        if self.size + len(new) > len(self.data):
+            grown = np.empty(2 * (self.size + len(new)), dtype=np.int64)
+            grown[:self.size] = self.data[:self.size]
+            self.data = grown
+        self.data[self.size:self.size + len(new)] = new
+        view = self.data[:self.size + len(new)]
+        self.size = self.num_prompt + len(output)  # extra is written again once the state has it
+        return view
+
+
 class Drafter:
     """The output rank's proposer (worker/spec_decode/), fed each request's tokens after
     every step that sampled for it."""
@@ -80,12 +107,15 @@ class Drafter:
         self.k = config.num_speculative_tokens
         self.max_batch = config.max_batch_for_speculation
         self.max_model_len = max_model_len
+        self._tokens: dict[str, _Tokens] = {}
 
     def start(self, req_id: str, prompt_token_ids: list[int]) -> None:
         self.proposer.start(req_id, prompt_token_ids)
+        self._tokens[req_id] = _Tokens(prompt_token_ids)
 
     def finish(self, req_id: str) -> None:
         self.proposer.finish(req_id)
+        self._tokens.pop(req_id, None)
 
     def propose(self, states: Sequence[tuple[str, RequestSamplingState, list[int]]],
                 num_running: int) -> dict[str, list[int]]:
@@ -98,11 +128,12 @@ class Drafter:
             return {}
         drafts: dict[str, list[int]] = {}
         for req_id, state, extra in states:
-            output = state.output_token_ids + extra if extra else state.output_token_ids
-            tokens = state.prompt_token_ids + output
+            if req_id not in self._tokens:
+                self.start(req_id, state.prompt_token_ids)
+            tokens = self._tokens[req_id].sync(state.output_token_ids, extra)
+            num_output = len(state.output_token_ids) + len(extra)
             max_tokens = state.params.max_tokens or 1 << 30
-            k = cap_draft_len(self.k, len(tokens), self.max_model_len,
-                              max_tokens - len(output))
+            k = cap_draft_len(self.k, len(tokens), self.max_model_len, max_tokens - num_output)
             draft = self.proposer.propose(req_id, tokens, k) if k > 0 else []
             if draft:
                 drafts[req_id] = list(draft[:k])
