@@ -35,6 +35,7 @@ LAYERS = {
     "outputs": 0,
     "inputs": 0,
     "process_setup": 0,
+    "idle_threads": 0,
 }
 # The package's own __init__ re-exports the public API (LLM), like an entry point.
 TOP_LEVEL_FACADES = {"__init__", "__main__"}

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shardserve.executor.start_method import QuietThreadPool
+from shardserve.idle_threads import QuietThreadPool
 from shardserve.messages import GrammarOutput, SchedulerOutput
 from shardserve.sampling_params import StructuredOutputsParams
 

@@ -17,61 +17,13 @@ import ast
 import logging
 import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
 
 from shardserve import envs
+from shardserve.idle_threads import is_idle
 from shardserve.process_setup import work_thread
 
 logger = logging.getLogger(__name__)
-
-# Threads whose owner can tell when they hold nothing a forked child could need: each maps to
-# a check, true while the thread only waits for work (see count_as_idle).
-_idle_checks: dict[threading.Thread, Callable[[], bool]] = {}
-
-
-def count_as_idle(thread: threading.Thread, idle: Callable[[], bool]) -> None:
-    """Let `thread` not stand in fork's way while `idle()` holds: it then blocks on a queue of
-    its own, which a child never touches (QuietThreadPool's thread between calls).
-    Threads of unknown owners always count: any of them may hold a lock the child needs."""
-    for ended in [t for t in _idle_checks if not t.is_alive()]:
-        del _idle_checks[ended]
-    _idle_checks[thread] = idle
-
-
-class QuietThreadPool:
-    """One background thread for calls (a ThreadPoolExecutor of one), that does not keep the
-    process from forking its workers while it has no call queued or running: it then only
-    waits on its queue. A forked child has no copy of the thread (make a new pool there)."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._lock = threading.Lock()
-        self.pending = 0  # calls submitted and not finished
-        count_as_idle(self._pool.submit(threading.current_thread).result(),
-                      lambda: self.pending == 0)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run `fn(*args)` on the thread; RuntimeError once shut down (or at interpreter exit)."""
-        with self._lock:
-            self.pending += 1
-        try:
-            future = self._pool.submit(fn, *args)
-        except BaseException:
-            self._done(None)
-            raise
-        future.add_done_callback(self._done)  # runs on the thread, just after fn returns
-        return future
-
-    def _done(self, _: Future | None) -> None:
-        with self._lock:
-            self.pending -= 1
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
-
 
 def choose_start_method() -> str:
     """'fork' or 'spawn' (SHARDSERVE_WORKER_MULTIPROC_METHOD overrides); warns once on spawn."""
@@ -99,15 +51,11 @@ def _why_fork_is_unsafe() -> str | None:
         return "the engine is being created off the main thread"
     idle = (main, threading.main_thread())  # the latter only waits for the former
     names = sorted(t.name for t in threading.enumerate()
-                   if t not in idle and not _idle_checks.get(t, _never)())
+                   if t not in idle and not is_idle(t))
     if names:
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return f"this process runs {len(names)} other Python thread(s) ({shown})"
     return None
-
-
-def _never() -> bool:
-    return False
 
 
 def check_spawn_can_import_main() -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from shardserve.executor.abstract import Executor
-from shardserve.executor.start_method import QuietThreadPool
+from shardserve.idle_threads import QuietThreadPool
 from shardserve.worker.build import build_worker
 from shardserve.worker.worker import Worker, run_method
 

@@ -35,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from shardserve import envs
+from shardserve.idle_threads import count_as_idle
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,9 @@ class _Gate:
                 cls._auth = ThreadAuthenticator(zmq.Context.instance(), log=logger)
                 cls._auth.start()
                 cls._pid = os.getpid()
+                # With no domain admitted, every secured server socket is closed: no ZAP
+                # request can come, and the thread only polls its own sockets.
+                count_as_idle(cls._auth.thread, lambda: not cls._allowed)
             cls._allowed[domain] = client_public
             cls._auth.configure_curve_callback(domain, credentials_provider=cls)
 
