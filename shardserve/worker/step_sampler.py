@@ -47,12 +47,8 @@ class StepSampler:
         sampled = out.sampled_token_ids.cpu().numpy()
         logprobs = (out.logprob_token_ids, out.logprobs, out.sampled_token_ranks)
         num_sampled = None
-        if drafts is not None:  # keep each request's verified tokens and their rows
-            kept = keep_verified(sampled.tolist(), drafts)
-            sampled, num_sampled = np.asarray(kept.token_ids, dtype=np.int64), kept.num_sampled
-            if logprobs[0] is not None:
-                rows = torch.tensor(kept.rows, dtype=torch.long)
-                logprobs = tuple(t[rows] for t in logprobs)
+        if drafts is not None:
+            sampled, num_sampled, logprobs = _verified(sampled, drafts, logprobs)
         emitted = _split(sampled.tolist(), num_sampled)
         self._keep(pending, emitted)
         return ModelRunnerOutput(
@@ -103,6 +99,17 @@ class StepSampler:
             rows, bitmask_rows = zip(*pairs, strict=True)
             apply_token_bitmask_(pending.logits, list(rows),
                                  grammar_output.token_bitmask[list(bitmask_rows)])
+
+
+def _verified(sampled: np.ndarray, drafts: list[list[int]], logprobs: tuple
+              ) -> tuple[np.ndarray, list[int], tuple]:
+    """What a verify step keeps of its rows' draws: each request's emitted tokens, how many,
+    and the logprobs rows they were drawn at."""
+    kept = keep_verified(sampled.tolist(), drafts)
+    if logprobs[0] is not None:
+        rows = torch.tensor(kept.rows, dtype=torch.long)
+        logprobs = tuple(t[rows] for t in logprobs)
+    return np.asarray(kept.token_ids, dtype=np.int64), kept.num_sampled, logprobs
 
 
 def _to_numpy(t: torch.Tensor | None) -> np.ndarray | None:
