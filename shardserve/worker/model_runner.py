@@ -202,19 +202,24 @@ class ModelRunner:
         ]
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
-        logits = None
         row_drafts = [drafts[i] for i in rows] if spec else None
-        if rows and row_drafts is None:
-            idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
-            logits = self._require_model().compute_logits(hidden[idx])
-        elif rows:  # each verifying request's last 1 + d rows (of the flat batch)
-            last = np.cumsum(query_lens) - 1
-            idx = torch.tensor(verify_rows([int(last[i]) for i in rows], row_drafts),
-                               dtype=torch.long)
-            logits = self._require_model().compute_logits(hidden[idx])
+        logits = self._logits(hidden, meta, rows, query_lens, row_drafts) if rows else None
         if rows or prompt_logprobs or pooled:
             self._pending = PendingSample([states[i] for i in rows], logits, prompt_logprobs,
                                            pooled, row_drafts)
+
+    def _logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                query_lens: list[int], row_drafts: list[list[int]] | None) -> torch.Tensor:
+        """The logits of the sampling requests `rows`: each one's last position, or with
+        drafts each verifying request's last 1 + d positions (rows of the flat batch: a
+        verify step's attention rows are not one a request, see _prepare_inputs)."""
+        if row_drafts is None:
+            idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
+        else:
+            last = np.cumsum(query_lens) - 1
+            idx = torch.tensor(verify_rows([int(last[i]) for i in rows], row_drafts),
+                               dtype=torch.long)
+        return self._require_model().compute_logits(hidden[idx])
 
     def _prompt_logprobs(self, states: list[CachedRequestState], query_lens: list[int],
                          hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
