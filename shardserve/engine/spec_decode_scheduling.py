@@ -52,14 +52,6 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
 
-    def as_dict(self) -> dict[str, Any]:
-        mean = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "spec_decode_mean_acceptance_length": mean}
-
 
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig | None) -> None:
