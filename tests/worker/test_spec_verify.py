@@ -38,3 +38,20 @@ def test_caps_and_batch_limit():
     short = RequestSamplingState(SamplingParams(max_tokens=3), [1, 2, 3, 1], [2])
     drafter.start("s", short.prompt_token_ids)
     assert drafter.propose([("s", short, [])], 1) == {"s": [3]}  # 1 draft + bonus = max_tokens
+
+
+def test_the_suffix_index_sees_tokens_of_steps_it_proposed_nothing_for():
+    """Above the batch limit nothing is proposed, but the suffix index still takes every
+    token: a finished request's whole output reaches the global store for later requests."""
+    suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=4,
+                               max_batch_for_speculation=2)
+    drafter = Drafter(suffix, max_model_len=512)
+    state = RequestSamplingState(SamplingParams(max_tokens=50), [1, 2], [])
+    drafter.start("a", state.prompt_token_ids)
+    for token in (5, 6, 7, 8, 9):
+        state.output_token_ids.append(token)
+        assert drafter.propose([("a", state, [])], 3) == {}  # 3 running > 2
+    drafter.finish("a")
+    later = RequestSamplingState(SamplingParams(max_tokens=50), [5, 6, 7], [])
+    drafter.start("b", later.prompt_token_ids)
+    assert drafter.propose([("b", later, [])], 1) == {"b": [8, 9]}
