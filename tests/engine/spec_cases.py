@@ -3,9 +3,11 @@ backend tests (test_spec_decode_backends.py).
 
 `run_cases(llm, k)` runs every group of cases in one generate call with at most k drafts
 verified a step (the scheduler's cap, `scheduler.spec.k`; 0: no speculation) and returns
-comparable results and the drafts accepted: greedy decoding, seeded sampling, stops that fire
-mid-draft, and structured outputs. The echo model repeats tokens, so n-gram drafts of a
-repeat are accepted often and a stop often falls inside a verified run.
+comparable results and the drafts accepted (`run_all_cases(llm)`: the same at the engine's own
+k, through the public API only, for engine cores in processes of their own): greedy
+decoding, seeded sampling, stops that fire mid-draft, and structured outputs. The echo model
+repeats tokens, so n-gram drafts of a repeat are accepted often and a stop often falls inside
+a verified run.
 """
 
 from __future__ import annotations
@@ -76,3 +78,18 @@ def run_cases(llm: LLM, k: int, groups: tuple[str, ...] | None = None
     for name, group in chosen.items():
         results[name], start = outs[start:start + len(group)], start + len(group)
     return results, spec.stats.num_accepted_tokens - before
+
+
+def run_all_cases(llm: LLM) -> tuple[dict[str, list[tuple]], list[int]]:
+    """Every group's outputs from one generate call, and the drafts each data-parallel
+    replica accepted meanwhile."""
+    groups = _groups(llm)
+    cases = [case for group in groups.values() for case in group]
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p, _ in cases]
+    before = [s.spec_num_accepted_tokens for s in llm.engine.client.stats()]
+    outs = _summary(llm.generate(prompts, [p for _, p in cases], use_tqdm=False))
+    after = [s.spec_num_accepted_tokens for s in llm.engine.client.stats()]
+    results, start = {}, 0
+    for name, group in groups.items():
+        results[name], start = outs[start:start + len(group)], start + len(group)
+    return results, [a - b for a, b in zip(after, before, strict=True)]

@@ -23,7 +23,7 @@ from shardserve.entrypoints.server.metrics import ServerMetrics
 from shardserve.model import native_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_cases import NGRAM, PROMPTS, run_cases  # noqa: E402
+from spec_cases import NGRAM, PROMPTS, run_all_cases, run_cases  # noqa: E402
 
 K = 3
 
@@ -149,6 +149,19 @@ def test_mp_identical(echo_model, reference, layout):
     llm = _engine(echo_model, distributed_executor_backend="mp", **layout)
     try:
         _check(llm, reference)
+    finally:
+        _shutdown(llm)
+
+
+def test_dp2_identical(echo_model, reference):
+    """data_parallel_size=2: each replica's engine core (a process of its own) proposes and
+    verifies for the requests routed to it; both verify drafts, outputs as without."""
+    llm = _engine(echo_model, data_parallel_size=2, async_scheduling=False,
+                  speculative_config={**NGRAM, "num_speculative_tokens": K})
+    try:
+        results, accepted = run_all_cases(llm)
+        assert results == reference
+        assert len(accepted) == 2 and all(n > 0 for n in accepted), accepted
     finally:
         _shutdown(llm)
 
