@@ -28,15 +28,17 @@ SCRIPT = textwrap.dedent(
     import json, os, pickle, sys
     from shardserve import LLM
     model, work, tp, pp, async_on = sys.argv[1:6]
+    spec = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
     with open(work, "rb") as f:
         prompts, params = pickle.load(f)
     llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=int(tp),
               pipeline_parallel_size=int(pp), async_scheduling=async_on == "1",
-              distributed_executor_backend="external_launcher")
+              distributed_executor_backend="external_launcher", speculative_config=spec)
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
+    accepted = llm.get_metrics()["spec_decode_num_accepted_tokens"]
     with open(f"{work}.rank{os.environ['RANK']}.json", "w") as f:  # ranks share one stdout
-        json.dump(tokens, f)
+        json.dump([tokens, accepted], f)
     llm.shutdown()
     """
 )
@@ -51,26 +53,49 @@ SCRIPT = textwrap.dedent(
 )
 def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
     before = our_segments()
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    want = _uni(tiny_llama_dir, PROMPTS)
+    got = _torchrun(tiny_llama_dir, tmp_path, PROMPTS, tp, pp, async_on)
+    assert all(tokens == want for tokens, _ in got), (got, want)
+    assert our_segments() == before
+
+
+def test_torchrun_speculative_decoding_equals_uni(echo_model, tmp_path) -> None:
+    """Every rank runs its own scheduler, so every last-stage rank proposes the same drafts
+    and verifies them in step with the others: the outputs of uni without speculation."""
+    prompts = [{"prompt_token_ids": [66] * 8}, {"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7]},
+               "Hello"]
+    want = _uni(echo_model, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
+    got = _torchrun(echo_model, tmp_path, prompts, 1, 2, False, spec)
+    assert all(tokens == want for tokens, _ in got), (got, want)
+    assert all(accepted > 0 for _, accepted in got), got  # drafts were really verified
+
+
+def _uni(model, prompts: list) -> list[list[int]]:
+    llm = LLM(str(model), dtype="float32", max_model_len=256)
     try:
-        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     finally:
         llm.shutdown()
+
+
+def _torchrun(model, tmp_path, prompts: list, tp: int, pp: int, async_on: bool,
+              spec: dict | None = None) -> list[list]:
+    """Each rank's [tokens, drafts accepted] from SCRIPT under torchrun."""
     script, work = tmp_path / "ranks.py", tmp_path / "work.pkl"
     script.write_text(SCRIPT)
-    work.write_bytes(pickle.dumps((PROMPTS, PARAMS)))
+    work.write_bytes(pickle.dumps((prompts, PARAMS)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(tp * pp), str(script), str(tiny_llama_dir), str(work),
-         str(tp), str(pp), "1" if async_on else "0"],
+         "--nproc-per-node", str(tp * pp), str(script), str(model), str(work),
+         str(tp), str(pp), "1" if async_on else "0"] + ([json.dumps(spec)] if spec else []),
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [json.loads((tmp_path / f"work.pkl.rank{rank}.json").read_text())
-           for rank in range(tp * pp)]  # fmt: skip
-    assert all(g == want for g in got), (got, want)
-    assert our_segments() == before
+    return [json.loads((tmp_path / f"work.pkl.rank{rank}.json").read_text())
+            for rank in range(tp * pp)]  # fmt: skip
 
 
 def test_without_a_launcher_the_error_says_how(tiny_llama_dir, monkeypatch) -> None:
