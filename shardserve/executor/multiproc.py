@@ -105,7 +105,7 @@ class MultiprocExecutor(Executor):
         if self.remote is not None:
             self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
         # Appended to as each starts, so that a failure or signal part-way stops those too.
-        start_workers(self.config, broadcast, init_method, pc.worker_cls,
+        start_workers(self.config, broadcast, init_method,
                       ranks=self.local_ranks, into=self.workers,
                       local_ranks=[pc.layout.local_rank_of(r, pc.data_parallel_rank)
                                    for r in self.local_ranks])

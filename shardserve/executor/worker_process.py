@@ -57,7 +57,6 @@ def start_workers(
     config: EngineConfig,
     broadcast: Handle,
     init_method: str,
-    worker_cls: str,
     start_method: str | None = None,
     ranks: list[int] | None = None,
     reply_ip: str | None = None,
@@ -89,7 +88,7 @@ def start_workers(
         )
         args = WorkerProcArgs(
             config, rank, local_rank, len(ranks), init_method, broadcast, ready_w, death_r,
-            worker_cls, close_fds=inherited if method == "fork" else (), forked=method == "fork",
+            close_fds=inherited if method == "fork" else (), forked=method == "fork",
             reply_ip=reply_ip,
         )  # fmt: skip
         proc = ctx.Process(target=worker_main, args=(args,), name=args.label, daemon=True)

@@ -27,15 +27,14 @@ def build_worker(
     local_rank: int = 0,
     distributed_init_method: str | None = None,
     local_world_size: int | None = None,
-    worker_cls: str | None = None,
     after_init_device: Callable[[Worker], None] | None = None,
 ) -> Worker:
-    """A rank's worker of class `worker_cls` (default: the config's), with its device
+    """A rank's worker of class `parallel_config.worker_cls`, with its device
     initialised (a multi-rank worker joins its process groups there) and its model loaded.
 
     after_init_device: run between the two (Ray sets the actor's torch thread count there,
     which init_device would otherwise override, before the model loads)."""
-    cls = worker_class(worker_cls or config.parallel_config.worker_cls)
+    cls = worker_class(config.parallel_config.worker_cls)
     worker = cls(
         config,
         rank=rank,

@@ -46,7 +46,6 @@ class WorkerProcArgs:
     broadcast_handle: Handle
     ready_conn: Connection
     death_conn: Connection
-    worker_cls: str = "shardserve.worker.worker.Worker"
     # Forked children: the parent's ends of earlier ranks' pipes, inherited by fork; closed first.
     close_fds: tuple[int, ...] = ()
     forked: bool = False
@@ -83,8 +82,7 @@ def _serve(args: WorkerProcArgs) -> None:
     try:
         try:
             worker = build_worker(args.config, args.rank, args.local_rank,
-                                  args.distributed_init_method, args.local_world_size,
-                                  worker_cls=args.worker_cls)
+                                  args.distributed_init_method, args.local_world_size)
             response_mq = MessageQueueWriter(1, 0 if args.reply_ip else 1,
                                              connect_ip=args.reply_ip, name=f"{args.label}-reply")
             orphans.append(response_mq.export_handle().shm_name)

@@ -116,7 +116,7 @@ class HeadlessNode:
             logger.info("node %d: starting replica %d's ranks %s", self.pc.multinode.node_rank,
                         self.replica, list(start.ranks))
             pc = start.config.parallel_config
-            start_workers(start.config, start.broadcast, start.init_method, pc.worker_cls,
+            start_workers(start.config, start.broadcast, start.init_method,
                           ranks=list(start.ranks), reply_ip=self.ip, into=self.workers,
                           local_ranks=[pc.layout.local_rank_of(r, self.replica)
                                        for r in start.ranks])
