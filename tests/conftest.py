@@ -37,6 +37,7 @@ def _no_tqdm_monitor() -> None:
 
 _no_tqdm_monitor()
 
+
 def pytest_configure(config: pytest.Config) -> None:
     # A suite started with `&` from a shell without job control inherits SIGINT ignored, and so
     # would every process the tests start (an ignored disposition survives exec): the Ctrl-C
@@ -143,7 +144,7 @@ def tiny_model_builder() -> Callable[..., Path]:
     return build
 
 
-# Sharded three ways (6 heads, 3 KV heads), as tests/engine/test_structured_outputs.py's model.
+# Sharded three ways (6 heads, 3 KV heads): the TP=3 tests' tiny model shape.
 TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 
 

@@ -25,6 +25,7 @@ from shardserve.process_setup import work_thread
 
 logger = logging.getLogger(__name__)
 
+
 def choose_start_method() -> str:
     """'fork' or 'spawn' (SHARDSERVE_WORKER_MULTIPROC_METHOD overrides); warns once on spawn."""
     forced = envs.worker_multiproc_method()

@@ -121,12 +121,15 @@ class Drafter:
                 num_running: int) -> dict[str, list[int]]:
         """Drafts for each (request, its sampling state, tokens emitted this step that the
         state does not hold yet), capped so that every draft plus the bonus token stays within
-        max_model_len and max_tokens. None at all above the batch limit. The proposer sees
-        every request's tokens even when it may propose none (k = 0): the suffix index
-        records them, so a finished request's whole output reaches its global store."""
+        max_model_len and max_tokens. None at all above the batch limit. A proposer that
+        learns from every token (the suffix index) sees them also where it may propose none
+        (k = 0), so a finished request's whole output reaches its global store."""
         from shardserve.worker.spec_decode.ngram import cap_draft_len
 
+        learns = self.proposer.learns_from_every_token
         over_limit = num_running > self.max_batch
+        if over_limit and not learns:
+            return {}
         drafts: dict[str, list[int]] = {}
         for req_id, state, extra in states:
             if req_id not in self._tokens:
@@ -136,7 +139,7 @@ class Drafter:
             max_tokens = state.params.max_tokens or 1 << 30
             k = 0 if over_limit else cap_draft_len(self.k, len(tokens), self.max_model_len,
                                                    max_tokens - num_output)
-            draft = self.proposer.propose(req_id, tokens, max(k, 0))
+            draft = self.proposer.propose(req_id, tokens, k) if k > 0 or learns else []
             if draft:
                 drafts[req_id] = list(draft[:k])
         return drafts

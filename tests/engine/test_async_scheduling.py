@@ -8,9 +8,7 @@ import pytest
 from async_cases import run_cases, stop_points
 
 from shardserve import LLM
-
-# A tiny Llama whose heads split three ways (6 heads, 3 KV heads, hidden 96).
-TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
+from tests.conftest import TP3  # heads that split three ways
 
 
 @pytest.fixture(scope="module")

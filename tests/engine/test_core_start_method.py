@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TP3  # heads that split three ways
+
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 # A parallel torch kernel first, so the parent's OpenMP pool exists when the children fork.
@@ -30,7 +32,6 @@ for out in llm.generate(["hello there", "one two three", "a b c"], params, use_t
 llm.shutdown()
 """
 
-TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 
 from shardserve import LLM, SamplingParams
 from shardserve.sampling_params import StructuredOutputsParams as S
+from tests.conftest import TP3  # heads that split three ways
 
-TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},

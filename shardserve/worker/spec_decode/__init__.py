@@ -24,6 +24,9 @@ __all__ = ["NgramProposer", "Proposer", "SpeculationGate", "SuffixProposer", "bu
 
 
 class Proposer(Protocol):
+    # Whether propose() with k = 0 must still see the tokens (an index that learns from them).
+    learns_from_every_token: bool
+
     def start(self, req_id: str, prompt_ids: TokenIds) -> None: ...
 
     def propose(self, req_id: str, token_ids: TokenIds, k: int) -> list[int]: ...

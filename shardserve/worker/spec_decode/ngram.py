@@ -76,6 +76,8 @@ def cap_draft_len(k: int, num_tokens: int, max_model_len: int, remaining_max_tok
 class NgramProposer:
     """The n-gram proposer; stateless, so start and finish do nothing."""
 
+    learns_from_every_token = False  # stateless: each call searches the tokens it gets
+
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")

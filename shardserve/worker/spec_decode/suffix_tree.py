@@ -176,6 +176,8 @@ def _most_frequent(tokens: np.ndarray) -> tuple[int, int] | None:
 class SuffixProposer:
     """Suffix decoding over each request's tokens and a bounded store of finished outputs."""
 
+    learns_from_every_token = True  # its index takes every token, drafts or not
+
     def __init__(self, k: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
         if max_tree_depth < 2:
