@@ -7,6 +7,7 @@ from shardserve.engine.llm_engine import LLMEngine
 from shardserve.entrypoints.llm import LLM
 from shardserve.errors import EngineDeadError
 from shardserve.inputs import TextPrompt, TokensPrompt
+from shardserve.lora.request import LoRARequest
 from shardserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolerConfig, PoolingParams
 from shardserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -15,7 +16,7 @@ __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "BeamSearchPa
            "CompletionOutput", "EngineArgs", "EngineDeadError", "LLMEngine", "RequestOutput",
            "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
 
-__all__ += ["EmbeddingRequestOutput", "PoolerConfig", "PoolingParams"]
+__all__ += ["EmbeddingRequestOutput", "LoRARequest", "PoolerConfig", "PoolingParams"]
 
 _ASYNC = {"AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs"}
 

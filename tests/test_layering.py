@@ -24,6 +24,8 @@ LAYERS = {
     # Plain data below the model (engine/config_builder.py reads the model's files); it uses
     # distributed's RankLayout for the rank arithmetic.
     "config": 0.5,
+    # LoRA adapters as plain data (the request, the files peft writes); reads config's arch.
+    "lora": 0.5,
     # Below all: leaves that the layers above share.
     "ipc": 0,
     "distributed": 0,
