@@ -46,6 +46,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
+# And the LoRA adapters' share of a projection, grouped by adapter slot (model/lora.py).
+LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_kernels.c"
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a `source` copied
 # elsewhere (the tests' broken copy) still finds it.
@@ -101,7 +103,8 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c and csrc/decode_layers.c are always compiled in beside `source`."""
+    csrc/quant_kernels.c, decode_layers.c and lora_kernels.c are always compiled in beside
+    `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     return lib
@@ -123,7 +126,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE)
+    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE, LORA_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
@@ -180,6 +183,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_dequantize_fast": [ptr, i32, ptr, i64, i32, i64, i64, i32],
         "quant_can_repack": [],
         "decode_layers": [ptr, i64, ptr],
+        "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,
+                     i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -327,6 +332,32 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
                                  bitmask.data_ptr(), rows.numel(), bitmask.shape[1], v,
                                  torch.get_num_threads())
     _check(rc, "apply_token_bitmask")
+
+
+def lora_add_(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+              bt: torch.Tensor, seg_ends: torch.Tensor) -> None:
+    """In place: out[t] += bt[s].T @ (a[s] @ x[t]) for every token t whose slot s = slots[t] is
+    >= 0 (csrc/lora_kernels.c). out [T, N] and x [T, K] with unit column stride, slots int32
+    [T], a [S, R, K] and bt [S, R, N] contiguous, seg_ends int64 [nseg]: the merged parts'
+    output boundaries (part j takes rows j R/nseg .. of a and bt)."""
+    t, n = out.shape
+    s, r, k = a.shape
+    if out.stride(1) != 1 or x.stride(1) != 1 or x.shape != (t, k) or \
+            not (a.is_contiguous() and bt.is_contiguous()) or bt.shape != (s, r, n) or \
+            slots.dtype != torch.int32 or a.dtype != bt.dtype or out.dtype != x.dtype:
+        raise ValueError(f"lora_add_: out {tuple(out.shape)} {out.dtype}, x {tuple(x.shape)} "
+                         f"{x.dtype}, a {tuple(a.shape)} {a.dtype}, bt {tuple(bt.shape)}, "
+                         f"slots {slots.dtype} do not fit")
+    _check_int64(seg_ends=seg_ends)
+    slots, seg_ends = slots.contiguous(), seg_ends.contiguous()
+    rc = _lib().lora_add(out.data_ptr(), out.stride(0), _DTYPES[out.dtype], x.data_ptr(),
+                         x.stride(0), slots.data_ptr(), t, a.data_ptr(), bt.data_ptr(),
+                         _DTYPES[a.dtype], s, r, k, n, seg_ends.data_ptr(), seg_ends.numel(),
+                         torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"lora_add_: segments {seg_ends.tolist()} do not split {n} outputs "
+                         f"and {r} ranks evenly")
+    _check(rc, "lora_add")
 
 
 def lib() -> ctypes.CDLL:

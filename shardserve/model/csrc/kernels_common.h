@@ -1,7 +1,7 @@
 /*
- * What the kernel sources share (cpu_kernels.c, quant_kernels.c, decode_layers.c; all built into
- * one library by shardserve/model/native_kernels.py, which hashes this header with them so an
- * edit here rebuilds the library): the element types, the bfloat16 conversions, and the
+ * What the kernel sources share (cpu_kernels.c, quant_kernels.c, decode_layers.c, lora_kernels.c;
+ * all built into one library by shardserve/model/native_kernels.py, which hashes this header with
+ * them so an edit here rebuilds the library): the element types, the bfloat16 conversions, and the
  * prototypes of the functions one file calls from another. Declaring them once here, included
  * by the file that defines them too, lets the compiler check every caller against the definition.
  */
@@ -52,5 +52,11 @@ int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
 int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
                  int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                  int64_t K, int num_threads);
+
+/* lora_kernels.c */
+int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_stride,
+             const int32_t *slots, int64_t T, const void *a, const void *bt, int wdtype,
+             int64_t S, int64_t R, int64_t K, int64_t N, const int64_t *seg_ends, int64_t nseg,
+             int num_threads);
 
 #endif
