@@ -37,6 +37,13 @@ from shardserve.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from shardserve.worker.profiler import (
+    ENGINE_STEP_LABEL,
+    ProfilerConfig,
+    TraceProfiler,
+    active_in_process,
+    engine_trace_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +91,8 @@ class EngineCore:
         )
         self.dead = False
         self.sleep_level = 0  # 0 awake; else the level of the last sleep()
+        self._profiling = False
+        self._profiler: TraceProfiler | None = None  # this process's own, when it has one
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: deque[_InFlight] = deque()
         model = config.model_config
@@ -251,6 +260,28 @@ class EngineCore:
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+    def start_profile(self, config: ProfilerConfig) -> None:
+        """torch's profiler on every rank and in this core (worker/profiler.py); refused while
+        a profile runs."""
+        if self._profiling:
+            raise RuntimeError("a profile is already running; call stop_profile() first")
+        self.executor.start_profile(config)
+        self._profiling = True
+        if not active_in_process():  # else a rank runs here (uni): its trace has our work too
+            dp = self.config.parallel_config.data_parallel_rank
+            self._profiler = TraceProfiler(f"engine core {dp}", engine_trace_name(dp), self,
+                                           "step", ENGINE_STEP_LABEL)
+            self._profiler.start(config)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile; the trace files written (every rank's, then this core's)."""
+        if not self._profiling:
+            raise RuntimeError("no profile is running; call start_profile() first")
+        self._profiling = False
+        profiler, self._profiler = self._profiler, None
+        paths = list(self.executor.stop_profile())
+        return paths + ([profiler.stop()] if profiler is not None else [])
 
     def shutdown(self) -> None:
         self.structured.shutdown()

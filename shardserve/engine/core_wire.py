@@ -29,7 +29,8 @@ from shardserve.engine.input_processor import EngineCoreRequest
 from shardserve.messages import EngineCoreOutput
 
 # What a front end may call on an engine core by name ("utility" messages).
-UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc"})
+UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc",
+                             "start_profile", "stop_profile"})
 
 
 @dataclass

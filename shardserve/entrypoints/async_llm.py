@@ -22,11 +22,14 @@ from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.llm_engine import PromptType
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+from shardserve.worker.profiler import ProfilerConfig
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, stream_interval: int = 1) -> None:
+    def __init__(self, config: EngineConfig, stream_interval: int = 1,
+                 profiler_config: ProfilerConfig | dict | str | None = None) -> None:
         self.config = config
+        self._profiler_config = ProfilerConfig.parse(profiler_config)
         self._client = AsyncEngineClient(config, stream_interval=stream_interval)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -53,6 +56,19 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         await self._client.abort(request_id)
+
+    async def start_profile(self) -> None:
+        """torch's profiler on every rank and engine core (needs profiler_config)."""
+        if self._profiler_config is None:
+            raise RuntimeError("profiling is not configured: make the AsyncLLM with "
+                               "profiler_config={'profiler': 'torch', 'torch_profiler_dir': DIR}")
+        await self._start()
+        await self._client.call("start_profile", self._profiler_config)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profile; the Chrome trace files the ranks and engine cores wrote."""
+        await self._start()
+        return [path for core in await self._client.call("stop_profile") for path in core]
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -19,6 +19,7 @@ from shardserve.model.loader import generation_defaults
 from shardserve.outputs import EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolingParams
 from shardserve.sampling_params import BeamSearchParams, SamplingParams
+from shardserve.worker.profiler import ProfilerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        # vLLM's profiler_config={"profiler": "torch", "torch_profiler_dir": DIR} (a front-end
+        # setting: it travels with start_profile to the cores and ranks).
+        self._profiler_config = ProfilerConfig.parse(engine_options.pop("profiler_config", None))
         self.config = engine_config_from_kwargs(model, **engine_options)
         self.engine = LLMEngine(self.config)
         # Runs on shutdown(), on garbage collection and at interpreter exit, whichever is first.
@@ -231,8 +235,25 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.client.call("wake_up", tags)
 
+    def start_profile(self) -> None:
+        """Start torch's profiler on every rank and engine core (needs profiler_config when the
+        LLM is made); a second start while one runs is refused."""
+        self.engine.client.call("start_profile", _needs_profiler(self._profiler_config))
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile: each rank and engine core writes its Chrome trace (for Perfetto)
+        to the profiler's folder; returns their paths."""
+        return [path for core in self.engine.client.call("stop_profile") for path in core]
+
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _needs_profiler(config: ProfilerConfig | None) -> ProfilerConfig:
+    if config is None:
+        raise RuntimeError("profiling is not configured: make the LLM with profiler_config="
+                           "{'profiler': 'torch', 'torch_profiler_dir': DIR}")
+    return config
 
 
 def _as_params(params: SamplingParams | dict) -> SamplingParams:

@@ -14,12 +14,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardserve.config import BACKENDS, PP_BACKENDS, EngineConfig, KVCacheConfig
 from shardserve.config.backends import backend_of_class
 from shardserve.errors import EngineDeadError
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from shardserve.worker.profiler import ProfilerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +262,14 @@ class Executor(ABC):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.collective_rpc("wake_up", kwargs={"tags": tags})
+
+    def start_profile(self, config: ProfilerConfig) -> None:
+        """torch's profiler on every rank (worker/profiler.py)."""
+        self.collective_rpc("start_profile", args=(config,))
+
+    def stop_profile(self) -> list[str]:
+        """Stop every rank's profile; the trace file each wrote, in rank order."""
+        return self.collective_rpc("stop_profile")
 
 
 def _supports_pp(cls: type[Executor]) -> bool:

@@ -21,6 +21,12 @@ from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.model_runner import ModelRunner
+from shardserve.worker.profiler import (
+    RANK_STEP_LABEL,
+    ProfilerConfig,
+    TraceProfiler,
+    rank_trace_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.data_parallel_size = config.parallel_config.data_parallel_size
         self._default_threads = torch.get_num_threads()
+        self._profiler: TraceProfiler | None = None
 
     def set_data_parallel_size(self, size: int) -> int:
         """The engine was re-scaled to `size` replicas: take this rank's new share of the
@@ -187,6 +194,23 @@ class Worker:
             runner.load_model()
         if "kv_cache" in tags and runner.kv_caches is None and runner.kv_cache_config is not None:
             runner.initialize_kv_cache(runner.kv_cache_config)
+
+    def start_profile(self, config: ProfilerConfig) -> None:
+        """Start torch's profiler on this rank (see worker/profiler.py); refused while one runs."""
+        if self._profiler is None:
+            pc = self.config.parallel_config
+            c = pc.layout.replica().coords(self.rank)
+            self._profiler = TraceProfiler(
+                f"rank {self.rank}", rank_trace_name(pc.data_parallel_rank, c.pp, c.tp), self,
+                "execute_step", RANK_STEP_LABEL, cuda=self.device.type == "cuda")
+        self._profiler.start(config)
+
+    def stop_profile(self) -> str:
+        """Stop this rank's profile and write its Chrome trace; returns the file's path."""
+        if self._profiler is None:
+            raise RuntimeError(f"rank {self.rank}: no profile is running; call start_profile "
+                               f"first")
+        return self._profiler.stop()
 
     def shutdown(self) -> None:
         self.model_runner = None
