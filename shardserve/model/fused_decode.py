@@ -21,7 +21,7 @@ import torch
 
 from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import native_kernels
+from shardserve.model import lora, native_kernels
 from shardserve.model.quantization import DENSE_MIN_ROWS
 
 if TYPE_CHECKING:
@@ -38,10 +38,16 @@ class _Matrix(ctypes.Structure):
     _fields_ = [("w", _ptr), ("row_bytes", _i64), ("rows", _i64), ("type", _i64)]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", _ptr), ("bt", _ptr), ("seg_ends", _ptr), ("slots", _i64), ("rank", _i64),
+                ("nseg", _i64), ("wdtype", _i64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr),
                 ("kv_cache", _ptr), ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix),
-                ("down", _Matrix)]
+                ("down", _Matrix), ("lora_qkv", _Lora), ("lora_o", _Lora),
+                ("lora_gate_up", _Lora), ("lora_down", _Lora)]
 
 
 class _Step(ctypes.Structure):
@@ -51,7 +57,7 @@ class _Step(ctypes.Structure):
                                    "rope_table", "x", "residual", "h", "qkv", "attn",
                                    "gate_up", "act")] + \
         [("eps", _f32), ("scale", _f32), ("dtype", _i32), ("has_residual", _i32),
-         ("num_threads", _i32), ("unused", _i32)]
+         ("num_threads", _i32), ("unused", _i32), ("lora_slots", _ptr)]
 
 
 def _matrix(layer: MatmulLayer) -> _Matrix | None:
@@ -112,6 +118,7 @@ class FusedDecode:
             g is not None and meta.prefill is None and g.query_index is None
             and meta.output_index is None and meta.num_tokens < DENSE_MIN_ROWS
             and x.dtype == self.dtype and x.device.type == "cpu"
+            and not lora.lora_active(self._layers)  # the C stack does not add adapters yet
         )
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels, quantization
 from shardserve.model.matmul_layer import MatmulLayer
 from shardserve.model.quantization import QuantizedTensor
+
+if TYPE_CHECKING:
+    from shardserve.model.lora import LoRAWeights
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
 
@@ -110,6 +114,8 @@ class ColumnParallelLinear(MatmulLayer):
     concatenation of every piece's local slice and one matmul computes them all.
     """
 
+    lora: LoRAWeights | None = None  # adapter slots (model/lora.py), once enabled
+
     def __init__(
         self,
         input_size: int,
@@ -151,7 +157,8 @@ class ColumnParallelLinear(MatmulLayer):
         _copy_into_rows(param, local, self.local_offsets[idx])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        out = self._matmul(x, self.bias)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
 
 def _copy_into_rows(param: nn.Parameter, src: torch.Tensor, offset: int) -> None:
@@ -217,6 +224,8 @@ class RowParallelLinear(MatmulLayer):
     is needed. The bias is added once, after the reduction.
     """
 
+    lora: LoRAWeights | None = None  # adapter slots (model/lora.py), once enabled
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, device="cpu"
     ) -> None:
@@ -241,8 +250,12 @@ class RowParallelLinear(MatmulLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self._matmul(x, self.bias)
-        out = self.tp.all_reduce(self._matmul(x, None))
+            out = self._matmul(x, self.bias)
+            return out if self.lora is None else self.lora.add_to(out, x)
+        out = self._matmul(x, None)
+        if self.lora is not None:  # a partial sum like the base product: before the reduce
+            self.lora.add_to(out, x)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

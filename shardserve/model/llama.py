@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.config.lora import LoRAConfig
 from shardserve.config.model_arch import ModelArch
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import native_kernels
+from shardserve.model import lora, native_kernels
 from shardserve.model.attention import AttentionMetadata, paged_attention
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.layers import (
@@ -242,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
         self.local_num_kv_heads = arch.num_kv_heads // tp.world_size
         self.head_dim = arch.head_dim
         self.num_layers = len(self.model.layers)  # this stage's: its KV cache has one per layer
+        self.lora_batch: lora.LoRABatch | None = None  # set by enable_lora
+        self.lora_layers: dict[int, dict[str, lora.LoRAWeights]] = {}
 
     def forward(
         self,
@@ -253,6 +256,14 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] after the final norm (last stage), or the
         (hidden, residual) pair for the next stage."""
         return self.model(input_ids, attn_metadata, kv_caches, intermediate)
+
+    def enable_lora(self, config: LoRAConfig, dtype: torch.dtype) -> None:
+        """Give this stage's projections `config.max_loras` adapter slots in `dtype` (after
+        load: they live beside the loaded weights); `lora_batch` selects them per token and
+        `lora_layers` maps global layer index -> module path -> slots (worker/lora_manager.py
+        fills both)."""
+        self.lora_batch, self.lora_layers = lora.attach(
+            self.model.layers, self.model.start, config.max_loras, config.max_lora_rank, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab_size] over the full vocab (gathered across TP ranks)."""
