@@ -19,6 +19,10 @@
  *   gate_up  = h @ Wgu^T                     act = silu(gate) * up
  *   x        = act @ Wdown^T
  *
+ * With LoRA adapters (model/lora.py) each of the four products is followed by its adapters'
+ * share for the rows that have one (lora_add, csrc/lora_kernels.c; after the bias), as the
+ * layer-by-layer path adds it: the same kernel in the same order, so still bit-identical.
+ *
  * On return x and residual hold the stack's output pair (the caller applies the final norm).
  * Every buffer is dense row-major in `dtype`; scratch buffers are the caller's.
  */
@@ -35,6 +39,13 @@ typedef struct {
     int64_t type;
 } dl_matrix_t;
 
+/* One weight's adapter slots (lora_kernels.c's a, bt and segments); a == NULL: not adapted. */
+typedef struct {
+    const void *a, *bt;
+    const int64_t *seg_ends;
+    int64_t slots, rank, nseg, wdtype;
+} dl_lora_t;
+
 /* One decoder layer's weights and KV cache ([num_blocks, block_size, 2, Hkv, D]). */
 typedef struct {
     const void *input_norm;
@@ -42,6 +53,7 @@ typedef struct {
     const void *qkv_bias; /* NULL: none */
     void *kv_cache;
     dl_matrix_t qkv, o, gate_up, down;
+    dl_lora_t lora_qkv, lora_o, lora_gate_up, lora_down;
 } dl_layer_t;
 
 /* One step: B decode rows (one token per request), their metadata and the buffers. */
@@ -53,7 +65,16 @@ typedef struct {
     void *h, *qkv, *attn, *gate_up, *act; /* scratch */
     float eps, scale;
     int32_t dtype, has_residual, num_threads, unused;
+    const int32_t *lora_slots; /* [B] adapter slot per row (-1: none); NULL: no adapters */
 } dl_step_t;
+
+/* out [B, N] += the adapters' share of x [B, K] through l (nothing without adapters). */
+static int add_lora(const dl_lora_t *l, const dl_step_t *s, void *out, int64_t N, const void *x,
+                    int64_t K) {
+    if (s->lora_slots == NULL || l->a == NULL) return 0;
+    return lora_add(out, N, s->dtype, x, K, s->lora_slots, s->B, l->a, l->bt, (int)l->wdtype,
+                    l->slots, l->rank, K, N, l->seg_ends, l->nseg, s->num_threads);
+}
 
 static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
     const int64_t B = s->B, D = s->head_dim, qkv_n = L->qkv.rows;
@@ -72,6 +93,7 @@ static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
                       (int)L->qkv.type, B, qkv_n, s->hidden, thr);
     if (rc) return rc;
     if (L->qkv_bias) add_bias(s->qkv, L->qkv_bias, B, qkv_n, dt);
+    if ((rc = add_lora(&L->lora_qkv, s, s->qkv, qkv_n, s->h, s->hidden))) return rc;
     rope_inplace(s->qkv, qkv_n, s->positions, s->rope_table, B, s->heads + s->kv_heads, D, dt,
                  thr);
     cache_write(L->kv_cache, (char *)s->qkv + (size_t)(s->heads * D) * es, qkv_n, s->slots, B,
@@ -80,8 +102,9 @@ static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
                           s->bt_stride, s->seq_lens, B, s->heads, s->kv_heads, D, s->block_size,
                           s->scale, dt, thr);
     if (rc) return rc;
-    return quant_matmul(s->x, s->hidden, dt, s->attn, s->heads * D, dt, L->o.w, L->o.row_bytes,
-                        (int)L->o.type, B, s->hidden, s->heads * D, thr);
+    rc = quant_matmul(s->x, s->hidden, dt, s->attn, s->heads * D, dt, L->o.w, L->o.row_bytes,
+                      (int)L->o.type, B, s->hidden, s->heads * D, thr);
+    return rc ? rc : add_lora(&L->lora_o, s, s->x, s->hidden, s->attn, s->heads * D);
 }
 
 static int mlp_half(const dl_layer_t *L, const dl_step_t *s) {
@@ -92,10 +115,11 @@ static int mlp_half(const dl_layer_t *L, const dl_step_t *s) {
     if (rc) return rc;
     rc = quant_matmul(s->gate_up, 2 * I, dt, s->h, s->hidden, dt, L->gate_up.w,
                       L->gate_up.row_bytes, (int)L->gate_up.type, B, 2 * I, s->hidden, thr);
-    if (rc) return rc;
+    if (rc || (rc = add_lora(&L->lora_gate_up, s, s->gate_up, 2 * I, s->h, s->hidden))) return rc;
     silu_mul(s->act, s->gate_up, B, I, dt, thr);
-    return quant_matmul(s->x, s->hidden, dt, s->act, I, dt, L->down.w, L->down.row_bytes,
-                        (int)L->down.type, B, s->hidden, I, thr);
+    rc = quant_matmul(s->x, s->hidden, dt, s->act, I, dt, L->down.w, L->down.row_bytes,
+                      (int)L->down.type, B, s->hidden, I, thr);
+    return rc ? rc : add_lora(&L->lora_down, s, s->x, s->hidden, s->act, I);
 }
 
 /* Runs layers [0, n_layers) on s; returns 0, or the first failing kernel's code. */
