@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardserve.model import native_kernels
 from shardserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -137,7 +138,13 @@ class LoRAWeights:
         device = layer.weight.device
         r_total = len(names) * max_rank
         self.a = torch.zeros(max_loras, r_total, in_local, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(out_sizes), r_total, dtype=dtype, device=device)
+        # B is stored transposed, [S, R, N]: the C kernel's expand then reads rows of it with
+        # unit stride (csrc/lora_kernels.c); `b` is the [S, N, R] view the writers and the
+        # torch path use.
+        self.bt = torch.zeros(max_loras, r_total, sum(out_sizes), dtype=dtype, device=device)
+        self.b = self.bt.transpose(1, 2)
+        self.seg_ends = torch.tensor([o + n for o, n in zip(self.out_offsets, out_sizes,
+                                                            strict=True)], dtype=torch.int64)
 
     def shard(self, subs: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None]
               ) -> list[SubShard | None]:
@@ -170,7 +177,13 @@ class LoRAWeights:
             b[self.out_offsets[i]:self.out_offsets[i] + self.out_sizes[i], lo:lo + r].copy_(sh.b)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out += the step's adapters' x A^T B^T, one pair of matmuls per slot; returns out."""
+        """out += the step's adapters' x A^T B^T, one pair of matmuls per slot; returns out.
+        On CPUs one C call does every slot (the same sums whatever the batch; the fused decode
+        step calls the same kernel, so both paths agree bit for bit)."""
+        if self._native(out, x):
+            assert self.batch.slots is not None
+            native_kernels.lora_add_(out, x, self.batch.slots, self.a, self.bt, self.seg_ends)
+            return out
         for slot, rows in self.batch.groups:
             xs = x[rows]
             if xs.dtype != self.dtype:
@@ -181,6 +194,12 @@ class LoRAWeights:
             else:
                 out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+    def _native(self, out: torch.Tensor, x: torch.Tensor) -> bool:
+        return (out.dim() == 2 and x.dim() == 2 and out.stride(1) == 1 and x.stride(1) == 1
+                and x.dtype == out.dtype and self.dtype in (torch.float32, torch.bfloat16)
+                and self.batch.slots is not None and self.batch.slots.device.type == "cpu"
+                and native_kernels.supports(out.dtype, out.device))
 
 
 def attach(layers: nn.ModuleList, first_layer: int, max_loras: int, max_rank: int,
