@@ -21,7 +21,7 @@ import torch
 
 from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import lora, native_kernels
+from shardserve.model import native_kernels
 from shardserve.model.quantization import DENSE_MIN_ROWS
 
 if TYPE_CHECKING:
@@ -70,6 +70,19 @@ def _matrix(layer: MatmulLayer) -> _Matrix | None:
     return _Matrix(ptr, row_bytes, rows, ggml_type)
 
 
+def _lora(layer: MatmulLayer) -> _Lora | None:
+    """The kernel arguments of a layer's adapter slots (model/lora.py): empty where it has none,
+    None where the C kernel cannot read them (then steps with adapters take the layer path)."""
+    w = getattr(layer, "lora", None)
+    if w is None:
+        return _Lora()
+    if w.dtype not in _DTYPES or w.a.device.type != "cpu":
+        return None
+    slots, rank, _ = w.a.shape
+    return _Lora(w.a.data_ptr(), w.bt.data_ptr(), w.seg_ends.data_ptr(), slots, rank,
+                 w.seg_ends.numel(), _DTYPES[w.dtype])
+
+
 class FusedDecode:
     """The layer table of one stage, and the call that runs a decode step through it."""
 
@@ -86,6 +99,9 @@ class FusedDecode:
         self.eps = first.input_layernorm.eps
         self._layers = layers  # the table points into their tensors
         self._cache_ptrs: tuple[int, ...] = ()
+        qkv_lora = attn.qkv_proj.lora
+        self._lora_batch = None if qkv_lora is None else qkv_lora.batch
+        self.takes_lora = True  # build() clears it where the adapters' slots do not fit
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
@@ -94,11 +110,13 @@ class FusedDecode:
                 get_tp_group().world_size != 1 or \
                 not native_kernels.supports(dtype, torch.device("cpu")):
             return None
-        entries = []
+        entries, takes_lora = [], True
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mats = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj)]
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            mats = [_matrix(m) for m in modules]
+            loras = [_lora(m) for m in modules]
+            takes_lora = takes_lora and all(entry is not None for entry in loras)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             bias = attn.qkv_proj.bias
             tensors = [*norms] + ([] if bias is None else [bias])
@@ -108,8 +126,11 @@ class FusedDecode:
             ):
                 return None
             entries.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
-                                  None if bias is None else bias.data_ptr(), None, *mats))
-        return cls(layers, dtype, (_Layer * len(entries))(*entries))
+                                  None if bias is None else bias.data_ptr(), None, *mats,
+                                  *(entry or _Lora() for entry in loras)))
+        fused = cls(layers, dtype, (_Layer * len(entries))(*entries))
+        fused.takes_lora = takes_lora
+        return fused
 
     def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
         """Whether this step can run fused: decode rows only, in flat order, few enough."""
@@ -118,8 +139,11 @@ class FusedDecode:
             g is not None and meta.prefill is None and g.query_index is None
             and meta.output_index is None and meta.num_tokens < DENSE_MIN_ROWS
             and x.dtype == self.dtype and x.device.type == "cpu"
-            and not lora.lora_active(self._layers)  # the C stack does not add adapters yet
+            and (self.takes_lora or not self._lora_active())
         )
+
+    def _lora_active(self) -> bool:
+        return self._lora_batch is not None and self._lora_batch.active
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
             rope: RopeStep, kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,12 +170,20 @@ class FusedDecode:
             *(t.data_ptr() for t in index_tensors), rope_table.data_ptr(), x.data_ptr(),
             out_residual.data_ptr(), *(t.data_ptr() for t in scratch),
             self.eps, self.head_dim**-0.5, _DTYPES[self.dtype], int(residual is not None),
-            torch.get_num_threads(), 0,
+            torch.get_num_threads(), 0, self._lora_slots(b),
         )
         rc = native_kernels.lib().decode_layers(self.table, self.num_layers, ctypes.byref(step))
         if rc:
             raise MemoryError(f"decode_layers: kernel error {rc} (out of scratch memory)")
         return x, out_residual
+
+    def _lora_slots(self, rows: int) -> int | None:
+        """The step's int32 adapter slot per row, for the C side; None without adapters."""
+        if not self._lora_active():
+            return None
+        slots = self._lora_batch.slots  # type: ignore[union-attr]
+        assert slots is not None and slots.numel() == rows and slots.dtype == torch.int32
+        return slots.data_ptr()
 
     def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
         ptrs = tuple(c.data_ptr() for c in kv_caches)

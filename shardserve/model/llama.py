@@ -264,6 +264,7 @@ class LlamaForCausalLM(nn.Module):
         fills both)."""
         self.lora_batch, self.lora_layers = lora.attach(
             self.model.layers, self.model.start, config.max_loras, config.max_lora_rank, dtype)
+        self.model.reset_fused()  # its table points at the slots too
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab_size] over the full vocab (gathered across TP ranks)."""

@@ -26,25 +26,32 @@ def load(path: Path, dtype: torch.dtype, quantization: str) -> LlamaForCausalLM:
     return model.eval()
 
 
-def run_steps(model: LlamaForCausalLM, fused: bool, vocab: int) -> tuple[list, list]:
+def run_steps(model: LlamaForCausalLM, fused: bool, vocab: int,
+              lora_slots: dict[str, int] | None = None) -> tuple[list, list]:
     """Prefill three requests, then decode steps of 3, 2 and 1 rows; every step's logits and
-    the caches after them."""
+    the caches after them. With `lora_slots`, each request's tokens use that adapter slot."""
     model.model.reset_fused()
     if not fused:
         model.model._fused = None
     runner = PagedRunner(model, block_size=4, num_blocks=64, check_last_rows=False)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 12, 3)]
-    logits = runner.step([(f"r{i}", p) for i, p in enumerate(prompts)])
+    def step(reqs: list[tuple[str, list[int]]]) -> list:
+        if lora_slots is not None:
+            assert model.lora_batch is not None
+            model.lora_batch.set([lora_slots[rid] for rid, toks in reqs for _ in toks])
+        return runner.step(reqs)
+
+    logits = step([(f"r{i}", p) for i, p in enumerate(prompts)])
     for rows in ([0, 1, 2], [0, 1, 2], [1, 2], [2], [0], [0, 2], [0, 1, 2]):
-        step = [(f"r{i}", [(int(logits[0][-1].argmax()) + i) % vocab]) for i in rows]
-        logits = runner.step(step)
+        logits = step([(f"r{i}", [(int(logits[0][-1].argmax()) + i) % vocab]) for i in rows])
     return logits, runner.caches
 
 
-def assert_identical(model: LlamaForCausalLM, vocab: int) -> None:
-    want, want_caches = run_steps(model, fused=False, vocab=vocab)
-    got, got_caches = run_steps(model, fused=True, vocab=vocab)
+def assert_identical(model: LlamaForCausalLM, vocab: int,
+                     lora_slots: dict[str, int] | None = None) -> None:
+    want, want_caches = run_steps(model, fused=False, vocab=vocab, lora_slots=lora_slots)
+    got, got_caches = run_steps(model, fused=True, vocab=vocab, lora_slots=lora_slots)
     assert isinstance(model.model._fused, FusedDecode), "the fused path was not taken"
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
@@ -63,6 +70,28 @@ def test_int8_with_qkv_bias_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dty
     model = load(tiny_qwen2_dir, dtype, "int8")
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert_identical(model, model.arch.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_lora_adapters_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dtype) -> None:
+    """Decode rows of two adapters and the base model in one step: the fused C stack adds the
+    adapters' share exactly as the layer-by-layer path does (and they change the logits)."""
+    from shardserve.config.lora import LoRAConfig
+
+    model = load(tiny_qwen2_dir, dtype, "int8")
+    model.enable_lora(LoRAConfig(max_loras=2, max_lora_rank=4), dtype)
+    g = torch.Generator().manual_seed(5)
+    for entry in model.lora_layers.values():
+        for weights in entry.values():
+            weights.a.copy_(torch.randn(weights.a.shape, generator=g) * 0.3)
+            weights.bt.copy_(torch.randn(weights.bt.shape, generator=g) * 0.3)
+    slots = {"r0": 0, "r1": -1, "r2": 1}
+    assert_identical(model, model.arch.vocab_size, slots)
+    assert model.model._fused.takes_lora  # type: ignore[union-attr]  # and it took them
+    base, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size,
+                        lora_slots=dict.fromkeys(slots, -1))
+    adapted, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size, lora_slots=slots)
+    assert not torch.equal(base[0], adapted[0])
 
 
 def test_not_built_where_it_does_not_apply(tiny_llama_dir: Path, monkeypatch) -> None:
