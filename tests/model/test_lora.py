@@ -81,8 +81,10 @@ def peft_logits(hf, folder: Path, ids: list[list[int]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ["r8", "r16", "rslora", "patterns"])
-def test_logits_equal_peft(name: str, hf, adapters, tiny_llama_dir: Path) -> None:
-    """One prefill of three prompts through the adapter, then one decode token each."""
+def test_logits_equal_peft(name: str, hf, adapters, tiny_llama_dir: Path,
+                           kernel_path: str) -> None:
+    """One prefill of three prompts through the adapter, then one decode token each (the C
+    kernel's add and torch's)."""
     model, manager = load(tiny_llama_dir)
     req = LoRARequest(name, 1, str(adapters[name]))
     assert manager.add(req)
@@ -99,7 +101,7 @@ def test_logits_equal_peft(name: str, hf, adapters, tiny_llama_dir: Path) -> Non
         assert (w - b).abs().max() > MIN_EFFECT  # the adapter matters
 
 
-def test_mixed_batch_equals_each_alone(adapters, tiny_llama_dir: Path) -> None:
+def test_mixed_batch_equals_each_alone(adapters, tiny_llama_dir: Path, kernel_path: str) -> None:
     """Base, A, B and A again (A's tokens not adjacent) in one step equal each run alone."""
     model, manager = load(tiny_llama_dir)
     a = LoRARequest("a", 1, str(adapters["r8"]))
