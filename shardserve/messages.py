@@ -8,6 +8,7 @@ computed tokens) are sent. Workers keep the rest of each request's state (model_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,10 @@ class NewRequestData:
     # Tokens generated before a preemption: recomputed with the prompt, and needed by penalties and
     # by per-position seeding, so that a resumed request continues exactly as it would have.
     output_token_ids: list[int] = field(default_factory=list)
+    # The adapter the request runs with: a shardserve.lora.request.LoRARequest (typed Any:
+    # this leaf module may not import the lora package above it), None for the base model.
+    # Every rank can load it from its lora_path, so a worker that evicted it serves it still.
+    lora_request: Any = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.config.checks import check as _check
+from shardserve.config.lora import LoRAConfig
 from shardserve.config.model import DeviceConfig, ModelConfig
 from shardserve.config.parallel import MultiNodeConfig, ParallelConfig, RayConfig
 from shardserve.config.speculative import SpeculativeConfig
@@ -127,8 +128,14 @@ class EngineConfig:
     """Speculative decoding without a draft model, as a JSON object on the command line:
     {"method": "ngram", "num_speculative_tokens": 3} (prompt lookup; prompt_lookup_min/max,
     default 5) or {"method": "suffix"} (suffix decoding); see shardserve/config/speculative.py."""
+    enable_lora: bool = False
+    """Serve LoRA adapters chosen per request (max_loras, max_lora_rank, max_cpu_loras and
+    lora_dtype size them); a request naming an adapter is refused without it."""
+    lora_config: LoRAConfig | None = None
+    """Built from the LoRA options when enable_lora is set; None otherwise."""
 
     def __post_init__(self) -> None:
+        _resolve_lora(self)
         arch = self.model_config.arch
         tp = self.parallel_config.tensor_parallel_size
         if tp not in arch.valid_tp_sizes(max(tp, 1)):
@@ -153,6 +160,20 @@ class EngineConfig:
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= max_model_len="
                 f"{self.model_config.max_model_len} when chunked prefill is disabled",
             )
+
+
+def _resolve_lora(config: EngineConfig) -> None:
+    """lora_config exists exactly when enable_lora is set (the defaults when no LoRA option
+    was given), so every layer tests `lora_config is not None` alone."""
+    _check(isinstance(config.enable_lora, bool),
+           f"enable_lora={config.enable_lora!r} must be True or False")
+    if not config.enable_lora:
+        if config.lora_config is not None and config.lora_config != LoRAConfig():
+            logger.info("LoRA options (%s) have no effect without enable_lora=True",
+                        config.lora_config)
+        object.__setattr__(config, "lora_config", None)
+    elif config.lora_config is None:
+        object.__setattr__(config, "lora_config", LoRAConfig())
 
 
 def _resolve_speculative(config: EngineConfig) -> None:
@@ -184,6 +205,7 @@ OWNERS: dict[str, type] = {
     "multinode": MultiNodeConfig,
     "scheduler_config": SchedulerConfig,
     "observability_config": ObservabilityConfig,
+    "lora_config": LoRAConfig,
     "engine_config": EngineConfig,
 }
 NOT_OPTIONS = {ModelConfig: {"model", "device", "path", "arch", "tokenizer_path"},

@@ -33,6 +33,7 @@ from shardserve.config import (
     SchedulerConfig,
 )
 from shardserve.config.engine import NOT_OPTIONS
+from shardserve.config.lora import LoRAConfig
 from shardserve.engine.config_builder import engine_config_from_kwargs
 
 ENGINE_CONFIGS: tuple[type, ...] = (
@@ -45,6 +46,7 @@ ENGINE_CONFIGS: tuple[type, ...] = (
     SchedulerConfig,
     DeviceConfig,
     ObservabilityConfig,
+    LoRAConfig,
 )
 # Fields that are not flags: those that are no options (`model` is --model, ModelConfig.device
 # comes from DeviceConfig, the resolved files, the nested configs), and the replica's index.

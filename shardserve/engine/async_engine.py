@@ -36,9 +36,11 @@ from shardserve.engine.async_mp_client import AsyncMPClient
 from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
 from shardserve.engine.core_wire import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
 from shardserve.engine.input_processor import InputProcessor
+from shardserve.engine.lora_requests import AsyncFrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.errors import EngineDeadError
+from shardserve.lora.request import LoRARequest
 from shardserve.messages import EngineCoreOutput
 from shardserve.model.loader import load_tokenizer
 from shardserve.outputs import RequestOutput
@@ -126,6 +128,7 @@ class AsyncEngineClient:
         # Spawns every replica's engine core and waits until each has loaded its model.
         self.replicas = AsyncMPClient(config, start_timeout_s)
         self.router = self.replicas.router
+        self.loras = AsyncFrontEndLoRAs(config, self.call)  # add/remove/pin/list adapters
         self.metrics.set_replicas(len(self.router.serving), self.router.replicas)
 
     # ---- lifecycle (inside the event loop) ----
@@ -219,12 +222,14 @@ class AsyncEngineClient:
 
     async def generate(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs until finished. Leaving early (a disconnect, cancellation)
-        aborts the request so its KV blocks are freed."""
+        aborts the request so its KV blocks are freed. `lora_request`'s adapter is loaded
+        first (once per id; a refused one raises its ValueError here)."""
         self.check_alive()
-        queue = await self._add_request(request_id, prompt, params, priority)
+        await self.loras.load([lora_request])
+        queue = await self._add_request(request_id, prompt, params, priority, lora_request)
         self._num_engine_requests += params.n
         finished = False
         try:
@@ -240,9 +245,9 @@ class AsyncEngineClient:
 
     async def _add_request(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> _OutputCollector:
-        req = self.inputs.process(request_id, prompt, params, priority)
+        req = self.inputs.process(request_id, prompt, params, priority, lora_request)
         ids, children = req.prompt_token_ids, req.children
         core_requests = req.core_requests()
         # First, as it may refuse (every replica asleep): nothing is registered then.

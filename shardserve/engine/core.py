@@ -31,6 +31,7 @@ from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.structured_output import StructuredOutputManager
 from shardserve.errors import EngineDeadError
 from shardserve.executor.abstract import Executor
+from shardserve.lora.request import LoRARequest
 from shardserve.messages import (
     EngineCoreOutput,
     GrammarOutput,
@@ -88,6 +89,7 @@ class EngineCore:
             config.model_config.max_model_len,
             num_stages=config.parallel_config.pipeline_parallel_size,
             speculative_config=config.speculative_config,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
         )
         self.dead = False
         self.sleep_level = 0  # 0 awake; else the level of the last sleep()
@@ -132,6 +134,21 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+
+    # ---- LoRA adapters, on every rank (the front end's utility calls) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter on every rank (False: it was loaded already); a bad adapter raises
+        its LoRAError (a ValueError) and leaves the engine as it was."""
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.executor.remove_lora(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.executor.pin_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.executor.list_loras()
 
     def has_unfinished_requests(self) -> bool:
         # Steps still in flight count: their results must be collected (and maybe discarded).

@@ -177,7 +177,8 @@ class EngineCoreLoop:
                 return UtilityResult(call.call_id, self.core.executor.collective_rpc(*call.args))
             return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}",
+                                 bad_input=isinstance(e, ValueError))
 
     def _step(self) -> bool:
         """Run one step and send its outputs; False once the engine is dead (reported)."""

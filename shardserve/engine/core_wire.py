@@ -30,7 +30,8 @@ from shardserve.messages import EngineCoreOutput
 
 # What a front end may call on an engine core by name ("utility" messages).
 UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "collective_rpc",
-                             "start_profile", "stop_profile"})
+                             "start_profile", "stop_profile",
+                             "add_lora", "remove_lora", "pin_lora", "list_loras"})
 
 
 @dataclass
@@ -45,6 +46,9 @@ class UtilityResult:
     call_id: int
     result: Any = None
     error: str | None = None  # the exception, as "Type: message"
+    # The exception was a ValueError (bad input, e.g. an adapter refused at load): the caller
+    # gets a ValueError, the engine is fine. Anything else comes back as a RuntimeError.
+    bad_input: bool = False
 
 
 @dataclass

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shardserve.config import EngineConfig
+from shardserve.engine.lora_requests import check_lora_request
 from shardserve.engine.pooling import check_runner
 from shardserve.engine.request import Request
 from shardserve.engine.structured_output import check_grammar
+from shardserve.lora.request import LoRARequest
 from shardserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | Sequence[int]
@@ -37,11 +39,13 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
     def to_request(self) -> Request:
         """The engine core's own bookkeeping object for it (built on the core's side)."""
         return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
-                       eos_token_ids=self.eos_token_ids, priority=self.priority)
+                       eos_token_ids=self.eos_token_ids, priority=self.priority,
+                       lora_request=self.lora_request)
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,11 @@ class ProcessedRequest:
     children: dict[str, SamplingParams]
     eos_token_ids: tuple[int, ...]
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
     def core_requests(self) -> list[EngineCoreRequest]:
         return [EngineCoreRequest(child_id, self.prompt_token_ids, params, self.eos_token_ids,
-                                  self.priority)
+                                  self.priority, self.lora_request)
                 for child_id, params in self.children.items()]
 
 
@@ -148,11 +153,14 @@ class InputProcessor:
         return dataclasses.replace(params, bad_words_token_ids=sequences)
 
     def process(self, request_id: str, prompt: PromptType | tuple[str | None, list[int]],
-                params: SamplingParams, priority: int = 0) -> ProcessedRequest:
+                params: SamplingParams, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Check everything and fan `n` out; `prompt` may already be (text, ids) from
-        process_prompt."""
+        process_prompt. `lora_request`: the adapter it runs with (loaded by then: see
+        lora_requests.py), None for the base model."""
         self.check_params(params)
         priority = self.check_priority(priority)
+        lora_request = check_lora_request(self.config, lora_request)
         truncate = params.truncate_prompt_tokens
         if isinstance(prompt, tuple):
             text, ids = prompt[0], self.truncated(prompt[1], truncate)
@@ -164,7 +172,7 @@ class InputProcessor:
             for i in range(params.n)
         }
         eos = self.config.model_config.arch.eos_token_ids
-        return ProcessedRequest(request_id, text, ids, children, eos, priority)
+        return ProcessedRequest(request_id, text, ids, children, eos, priority, lora_request)
 
 
 def bad_words_token_ids(tokenizer: Encoder, words: list[str],

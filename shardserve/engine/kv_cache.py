@@ -5,6 +5,11 @@ Pure Python: the tensors live in the workers; this side only decides which block
 holds. Without prefix caching a block is free or owned by exactly one request. With it:
 
     hash(block i) = sha256(hash(block i-1) || token ids of block i)      (full blocks only)
+    hash(block -1) = the root: a constant for the base model, another per LoRA adapter (its
+                     id and path: an id removed and given to another adapter starts afresh)
+
+The same tokens through another adapter have other K/V (the adapter changes k_proj and v_proj,
+and every layer's input), so a request shares blocks only with requests of its own adapter.
 
 A full block is registered under its hash once its tokens are known and its KV computed (or
 scheduled: steps run in order, so a later step reading it finds it written). A request's leading
@@ -29,6 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 _ROOT = b"shardserve-prefix-root"
+
+
+def _root(lora_key: str) -> bytes:
+    """The chain's start: the base model's root (key ""), or the adapter's own."""
+    return _ROOT if not lora_key else _ROOT + b"/lora/" + lora_key.encode()
 
 
 @dataclass
@@ -67,12 +77,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix caching ----
-    def cached_prefix(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
-        """The registered blocks holding the leading full blocks of `tokens`, at most
+    def cached_prefix(self, tokens: Sequence[int], max_tokens: int,
+                      lora_key: str = "") -> list[int]:
+        """The registered blocks holding the leading full blocks of `tokens` (computed with
+        the adapter `lora_key` names, "" for the base model: Request.lora_key), at most
         max_tokens // block_size of them."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], _ROOT
+        hits, parent = [], _root(lora_key)
         for i in range(max_tokens // self.block_size):
             parent = self._digest(parent, tokens, i)
             block = self._by_hash.get(parent)
@@ -91,15 +103,15 @@ class KVCacheManager:
         return len(self._chain.get(request_id, ()))
 
     def register_full_blocks(self, request_id: str, tokens: Sequence[int],
-                             num_computed: int) -> None:
+                             num_computed: int, lora_key: str = "") -> None:
         """Register the request's full blocks within its first `num_computed` tokens (whose
-        ids are all known) that are not registered yet."""
+        ids are all known, computed with adapter `lora_key`) that are not registered yet."""
         if not self.enable_prefix_caching:
             return
         table, chain = self._tables.get(request_id, []), self._chain.setdefault(request_id, [])
         full = min(num_computed // self.block_size, len(table))
         for i in range(len(chain), full):
-            digest = self._digest(chain[-1] if chain else _ROOT, tokens, i)
+            digest = self._digest(chain[-1] if chain else _root(lora_key), tokens, i)
             chain.append(digest)
             block = table[i]
             if self._hash[block] is None and digest not in self._by_hash:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from shardserve.config import EngineConfig
@@ -16,7 +17,9 @@ from shardserve.engine.core import EngineCore
 from shardserve.engine.core_client import EngineCoreClient
 from shardserve.engine.inproc_client import InprocClient, make_client
 from shardserve.engine.input_processor import InputProcessor, PromptType
+from shardserve.engine.lora_requests import FrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
+from shardserve.lora.request import LoRARequest
 from shardserve.model.tokenizer import EngineTokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
@@ -38,6 +41,8 @@ class LLMEngine:
         self.processor = OutputProcessor(self._tokenizer, stream=stream)
         self._ids = itertools.count()
         self._warned_max_tokens = False
+        # The client may be replaced (scale()): reach it through self.client at each call.
+        self.loras = FrontEndLoRAs(config, lambda method, *args: self.client.call(method, *args))
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
@@ -80,13 +85,33 @@ class LLMEngine:
         prompt: PromptType | tuple[str | None, list[int]],
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; `prompt` may already be processed (text, ids) by process_prompt.
-        `priority` needs scheduling_policy="priority" (lower value first)."""
-        req = self.inputs.process(request_id, prompt, params, priority)
+        `priority` needs scheduling_policy="priority" (lower value first); `lora_request`
+        enable_lora (its adapter is loaded first, if it is not yet)."""
+        self.load_loras([lora_request])
+        req = self.inputs.process(request_id, prompt, params, priority, lora_request)
         self._warn_if_cut(len(req.prompt_token_ids), params.max_tokens)
         self.processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.children)
         self.client.add_requests(req.core_requests())
+
+    # ---- LoRA adapters (see lora_requests.py) ----
+    def load_loras(self, lora_requests: Iterable[LoRARequest | None]) -> None:
+        """Load those of the adapters not loaded yet (every rank of every engine core)."""
+        self.loras.load(lora_requests)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.loras.remove(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.loras.pin(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.list()
 
     def _warn_if_cut(self, prompt_len: int, max_tokens: int | None) -> None:
         """Once per engine: max_tokens past max_model_len (the server answers it with a 400;

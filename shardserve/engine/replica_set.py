@@ -80,11 +80,13 @@ class PendingCall:
             self._on_done()
 
     def result(self) -> list[Any]:
-        """Each target's result in target order; the first failure (in that order) raises."""
+        """Each target's result in target order; the first failure (in that order) raises:
+        a ValueError where the core's was one (bad input), else a RuntimeError."""
         for replica in self.targets:
-            error = self._answers[replica].error
-            if error is not None:
-                raise RuntimeError(f"engine core {replica}: {self.method}: {error}")
+            answer = self._answers[replica]
+            if answer.error is not None:
+                kind = ValueError if answer.bad_input else RuntimeError
+                raise kind(f"engine core {replica}: {self.method}: {answer.error}")
         return [self._answers[r].result for r in self.targets]
 
 

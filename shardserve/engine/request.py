@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardserve.lora.request import LoRARequest
 from shardserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,18 @@ class Request:
     # (engine/spec_decode_scheduling.py).
     spec_token_ids: list[int] = field(default_factory=list)
     spec: Any = None
+    lora_request: LoRARequest | None = None  # None: the base model
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (the scheduler's and the prefix cache's key)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_key(self) -> str:
+        """The prefix cache's key for its adapter ("" for the base model; see kv_cache.py)."""
+        lora = self.lora_request
+        return "" if lora is None else f"{lora.lora_int_id}:{lora.lora_path}"
 
     @property
     def num_tokens(self) -> int:

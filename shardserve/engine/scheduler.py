@@ -25,6 +25,12 @@ workers have not been sent yet (`CachedRequestData.new_token_ids`).
 Speculative decoding (engine/spec_decode_scheduling.py): a decode may verify the drafts the
 workers proposed with its last step, as 1 + d query positions; the rejected ones are rolled back
 when the step's tokens are folded in.
+
+LoRA (`max_loras` > 0): the workers hold max_loras adapter slots, so the running requests never
+name more than max_loras distinct adapters (the base model takes no slot). A waiting request of
+another adapter is passed over (it keeps its place) until a running adapter's last request
+finishes; requests of the base model or of a running adapter are admitted past it. Every step
+schedules a subset of the running requests, so no step holds more either.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Scheduler(SchedulerResults):
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
         num_stages: int = 1, speculative_config: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.config = config
         self.num_stages = num_stages
@@ -72,6 +79,7 @@ class Scheduler(SchedulerResults):
         self._ended_outside: list[EngineCoreOutput] = []
         self.spec = SpecDecodeScheduling(speculative_config)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's scheduled drafts
+        self.max_loras = max_loras  # distinct adapters the running requests may hold; 0: off
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -205,7 +213,8 @@ class Scheduler(SchedulerResults):
         known = min(request.num_computed_tokens, request.num_tokens)  # ids known, KV scheduled
         if self.kv.enable_prefix_caching and \
                 known // self.kv.block_size > self.kv.num_registered(request.request_id):
-            self.kv.register_full_blocks(request.request_id, request.all_token_ids, known)
+            self.kv.register_full_blocks(request.request_id, request.all_token_ids, known,
+                                         request.lora_key)
         if request.num_computed_tokens - num_drafts == \
                 request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
@@ -216,7 +225,9 @@ class Scheduler(SchedulerResults):
     def _schedule_waiting(
         self, budget: int, num_tokens: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
-        compiling: list[Request] = []  # passed over this step (their grammar is not ready)
+        # Passed over this step: their grammar is not ready, or their adapter has no slot.
+        passed: list[Request] = []
+        loras = self._running_loras()
         while (
             self.waiting
             and budget > 0
@@ -224,8 +235,9 @@ class Scheduler(SchedulerResults):
             and len(num_tokens) < self._seq_cap
         ):
             request = self.waiting.peek()
-            if request.grammar is not None and not request.grammar.ready:
-                compiling.append(self.waiting.pop())
+            if request.grammar is not None and not request.grammar.ready or \
+                    not self._lora_fits(request, loras):
+                passed.append(self.waiting.pop())
                 continue
             if request.grammar is not None and request.grammar.failed:
                 self._end_outside(request, request.grammar.failed)
@@ -257,12 +269,26 @@ class Scheduler(SchedulerResults):
                     block_ids=list(self.kv.block_ids(request.request_id)),
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
+                    lora_request=request.lora_request,
                 )
             )
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
-        self.waiting.put_back(compiling)
+        self.waiting.put_back(passed)
+
+    def _running_loras(self) -> set[int]:
+        """The distinct adapters of the running requests (empty when LoRA is off)."""
+        if not self.max_loras:
+            return set()
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether admitting `request` keeps the running adapters within max_loras."""
+        lora = request.lora_int_id
+        return not (lora and self.max_loras) or lora in loras or len(loras) < self.max_loras
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks for a request that holds none yet (new, or preempted), leaving at
@@ -270,7 +296,8 @@ class Scheduler(SchedulerResults):
         so such a request takes none."""
         if not self._may_use_cache(request):
             return []
-        return self.kv.cached_prefix(request.all_token_ids, request.num_tokens - 1)
+        return self.kv.cached_prefix(request.all_token_ids, request.num_tokens - 1,
+                                     request.lora_key)
 
     def _may_use_cache(self, request: Request) -> bool:
         pooling = request.sampling_params.pooling  # MEAN and CLS pool every position

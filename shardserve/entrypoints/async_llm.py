@@ -20,6 +20,7 @@ from shardserve.config import EngineConfig
 from shardserve.engine.arg_utils import EngineArgs
 from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.llm_engine import PromptType
+from shardserve.lora.request import LoRARequest
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 from shardserve.worker.profiler import ProfilerConfig
@@ -42,17 +43,37 @@ class AsyncLLM:
         return self._client.tokenizer
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | dict,
-                       request_id: str, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request as it runs (the last has finished=True); `priority`
-        needs scheduling_policy="priority" (lower value first)."""
+        needs scheduling_policy="priority" (lower value first); `lora_request` enable_lora
+        (its adapter is loaded first, once)."""
         await self._start()
         params = sampling_params if isinstance(sampling_params, SamplingParams) \
             else SamplingParams(**sampling_params)
         self._client.inputs.check_params(params)
         self._client.inputs.check_priority(priority)
         processed = self._client.inputs.process_prompt(prompt, params.truncate_prompt_tokens)
-        async for output in self._client.generate(request_id, processed, params, priority):
+        async for output in self._client.generate(request_id, processed, params, priority,
+                                                  lora_request):
             yield output
+
+    # LoRA adapters (enable_lora=True), loaded on every rank; async, as vLLM's AsyncLLM.
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        await self._start()
+        return await self._client.loras.add(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        await self._start()
+        return await self._client.loras.remove(lora_int_id)
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        await self._start()
+        return await self._client.loras.pin(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        await self._start()
+        return await self._client.loras.list()
 
     async def abort(self, request_id: str) -> None:
         await self._client.abort(request_id)

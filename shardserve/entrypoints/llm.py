@@ -15,6 +15,7 @@ from shardserve.engine.core_wire import sum_stats
 from shardserve.engine.llm_engine import LLMEngine, PromptType
 from shardserve.engine.pooling import embedding_output, pooling_params_list
 from shardserve.entrypoints.beam_search import BeamSearchOutput, run_beam_search
+from shardserve.lora.request import LoRARequest
 from shardserve.model.loader import generation_defaults
 from shardserve.outputs import EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolingParams
@@ -65,21 +66,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. `priority`: one int per prompt, lower
-        first (needs scheduling_policy="priority")."""
+        first (needs scheduling_policy="priority"). `lora_request`: the adapter of every
+        prompt, or one per prompt (None: the base model); needs enable_lora=True."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         priorities = self._priority_list(priority, len(prompt_list))
+        loras = _lora_list(lora_request, len(prompt_list))
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         for params in params_list:
             self.engine.check_params(params)
         processed = [self.engine.process_prompt(p, params.truncate_prompt_tokens)
                      for p, params in zip(prompt_list, params_list, strict=True)]
+        self.engine.load_loras(loras)  # a refused adapter raises before anything is queued
         ids = []
-        for prompt, params, prio in zip(processed, params_list, priorities, strict=True):
+        for prompt, params, prio, lora in zip(processed, params_list, priorities, loras,
+                                              strict=True):
             ids.append(self.engine.next_request_id())
-            self.engine.add_request(ids[-1], prompt, params, prio)
+            self.engine.add_request(ids[-1], prompt, params, prio, lora)
         try:
             finished = self._run_engine(len(ids), use_tqdm)
         except BaseException:
@@ -98,6 +104,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or `chat_template`) to each conversation, then
         generate. Message content may be a string or OpenAI-style text parts; `tools` go to the
@@ -125,7 +132,7 @@ class LLM:
             # The template writes the special tokens itself.
             ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        return self.generate(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -232,6 +239,19 @@ class LLM:
     def sleep(self, level: int = 1) -> None:
         self.engine.client.call("sleep", level)
 
+    # LoRA adapters (needs enable_lora=True), as vLLM's LLM: loaded on every rank.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self.engine.pin_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.client.call("wake_up", tags)
 
@@ -264,6 +284,19 @@ def _as_params(params: SamplingParams | dict) -> SamplingParams:
         return SamplingParams(**params)
     except TypeError as e:
         raise ValueError(f"sampling_params: {e}") from e
+
+
+def _lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+               n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt; checked further by the engine."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) "
+                         f"or None, got {type(lora_request).__name__}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts; give 1 or {n}")
+    return list(lora_request)
 
 
 def _plain_message(message: Message) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from shardserve.config import BACKENDS, PP_BACKENDS, EngineConfig, KVCacheConfig
 from shardserve.config.backends import backend_of_class
 from shardserve.errors import EngineDeadError
+from shardserve.lora.request import LoRARequest
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -259,6 +260,45 @@ class Executor(ABC):
 
     def sleep(self, level: int = 1) -> None:
         self.collective_rpc("sleep", kwargs={"level": level})
+
+    # LoRA adapters: every rank loads its own share (TP shards, PP stages), and every rank
+    # sees the same calls in the same order, so their answers (and LRU evictions) agree; a
+    # disagreement means a rank's state went astray and is an error, not a majority vote.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter on every rank; False where it was loaded already. A refused
+        adapter raises its LoRAError; ranks that had loaded it drop it again."""
+        try:
+            return self._same_on_every_rank("add_lora", lora_request)
+        except BaseException:
+            if not self.is_failed:
+                self.collective_rpc("remove_lora", args=(lora_request.lora_int_id,))
+            raise
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._same_on_every_rank("remove_lora", lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self._same_on_every_rank("pin_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The adapter ids loaded, sorted (the same on every rank)."""
+        return self._same_on_every_rank("list_loras")
+
+    def _every_rank(self, method: str, args: tuple) -> list[Any]:
+        """Each rank's answer, in rank order (a backend whose collective_rpc reaches only its
+        own rank gathers the others' itself)."""
+        return self.collective_rpc(method, args=args)
+
+    def _same_on_every_rank(self, method: str, *args: Any) -> Any:
+        """Call `method` on every rank; its one answer, or RuntimeError naming the ranks that
+        answered otherwise than rank 0."""
+        results = self._every_rank(method, args)
+        odd = [rank for rank, r in enumerate(results) if r != results[0]]
+        if odd:
+            raise RuntimeError(f"{method}{args}: ranks {odd} answered {[results[r] for r in odd]}"
+                               f" but rank 0 answered {results[0]!r}; the ranks' adapters "
+                               f"disagree")
+        return results[0]
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.collective_rpc("wake_up", kwargs={"tags": tags})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from shardserve.executor.uniproc import UniProcExecutor
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from shardserve.worker.build import build_worker
-from shardserve.worker.worker import Worker
+from shardserve.worker.worker import Worker, run_method
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -77,6 +78,30 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
         # On the worker's thread: the process group's collectives stay on one thread.
         return [self._on_worker_thread(agree)]
+
+    def _every_rank(self, method: str, args: tuple) -> list[Any]:
+        """Every rank's answer (each process reaches only its own worker): the ranks gather
+        them, errors included, so that a rank that fails never leaves the others waiting in
+        the gather; each then raises the same way (its own exception, or the first rank's)."""
+        if self.parallel_config.world_size == 1:
+            return super()._every_rank(method, args)
+
+        def gather(worker: Worker) -> list[tuple[bool, Any]]:
+            try:
+                mine: tuple[bool, Any] = (True, run_method(worker, method, args, {}))
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
+                mine = (False, e)
+            every: list[Any] = [None] * self.parallel_config.world_size
+            dist.all_gather_object(every, mine if mine[0] else (False, repr(mine[1])))
+            if not mine[0]:
+                raise mine[1]
+            return every
+
+        every = self.collective_rpc(gather, unique_reply_rank=0)
+        failed = [(rank, why) for rank, (ok, why) in enumerate(every) if not ok]
+        if failed:
+            raise RuntimeError(f"{method}() failed on rank {failed[0][0]}: {failed[0][1]}")
+        return [value for _, value in every]
 
     def _execute_step(
         self,

@@ -40,6 +40,7 @@ from shardserve.model.attention import (
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
 from shardserve.model.sampler import RequestSamplingState, gather_logprobs
+from shardserve.worker.lora_worker import WorkerLoRAs
 from shardserve.worker.pooler import RequestPooler
 from shardserve.worker.request_state import CachedRequestState, PendingSample
 from shardserve.worker.spec_verify import Drafter, verify_rows
@@ -72,6 +73,8 @@ class ModelRunner:
         self.idle_gaps: deque[float] = deque(maxlen=100_000)
         self._last_step_end: float | None = None
         self.drafter: Drafter | None = None  # built in load_model, on the output rank only
+        self.loras = WorkerLoRAs(config.lora_config, self.dtype) \
+            if config.lora_config is not None else None  # enable_lora: see lora_worker.py
 
     # ---- setup ----
     def load_model(self) -> None:
@@ -83,6 +86,8 @@ class ModelRunner:
         model.load_weights(iter_weights(self.config.model_config.path,
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
+        if self.loras is not None:
+            self.loras.attach(self.model)
         if self.config.speculative_config is not None and self._proposes() \
                 and self.drafter is None:
             self.drafter = Drafter(self.config.speculative_config,
@@ -138,6 +143,8 @@ class ModelRunner:
 
     def free_model(self) -> None:
         self.model = None
+        if self.loras is not None:
+            self.loras.detach()  # its slots are the model's tensors
 
     # ---- one step ----
     def update_states(self, so: SchedulerOutput) -> None:
@@ -154,7 +161,8 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids),
             )
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, sampling, list(new.block_ids), new.num_computed_tokens
+                new.req_id, sampling, list(new.block_ids), new.num_computed_tokens,
+                new.lora_request,
             )
         cached = so.scheduled_cached_reqs
         for rid, blocks, computed in zip(
@@ -185,6 +193,8 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in order] if spec else [[]] * len(order)
         input_ids, meta = self._prepare_inputs(states, query_lens, drafts)
+        if self.loras is not None:  # every token's adapter slot, for this step's layers
+            self.loras.prepare([s.lora_request for s in states], query_lens)
         hidden = self._forward(input_ids, meta)
         if hidden is None:  # not the last stage: nothing to sample here
             for s, n in zip(states, query_lens, strict=True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shardserve.lora.request import LoRARequest
 from shardserve.messages import PromptLogprobs
 from shardserve.model.sampler import RequestSamplingState
 
@@ -18,6 +19,7 @@ class CachedRequestState:
     sampling: RequestSamplingState  # owns the prompt and output token lists
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def num_tokens(self) -> int:

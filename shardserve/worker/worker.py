@@ -19,7 +19,9 @@ import torch
 from shardserve import envs
 from shardserve.config import EngineConfig, KVCacheConfig
 from shardserve.distributed.parallel_state import destroy_distributed, init_distributed
+from shardserve.lora.request import LoRARequest
 from shardserve.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from shardserve.worker.lora_worker import WorkerLoRAs
 from shardserve.worker.model_runner import ModelRunner
 from shardserve.worker.profiler import (
     RANK_STEP_LABEL,
@@ -211,6 +213,28 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: no profile is running; call start_profile "
                                f"first")
         return self._profiler.stop()
+
+    # ---- LoRA adapters (Executor.add_lora etc.; this rank's share of each) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and validate the adapter into this rank's cache (False: it was there)."""
+        return self._loras().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._loras().remove(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep the adapter loaded whatever max_cpu_loras evicts."""
+        return self._loras().pin(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._loras().list()
+
+    def _loras(self) -> WorkerLoRAs:
+        loras = self._runner().loras
+        if loras is None:
+            raise ValueError("LoRA is not enabled on this engine; start it with "
+                             "enable_lora=True (--enable-lora)")
+        return loras
 
     def shutdown(self) -> None:
         self.model_runner = None
