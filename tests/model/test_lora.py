@@ -17,10 +17,11 @@ from lora_helpers import make_peft_adapter, peft_model
 
 from shardserve.config.lora import LoRAConfig
 from shardserve.lora.request import LoRARequest
-from shardserve.model import native_kernels
+from shardserve.model import layers, native_kernels
+from shardserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, read_arch
-from shardserve.model.lora import shard_column, shard_row
+from shardserve.model.lora import LoRABatch, LoRAWeights
 from shardserve.model.quantization import QuantizedTensor
 from shardserve.worker.lora_manager import LoRAManager
 from tests.model.test_llama import PagedRunner
@@ -120,36 +121,68 @@ def test_mixed_batch_equals_each_alone(adapters, tiny_llama_dir: Path, kernel_pa
     assert (with_b - mixed[0][:4]).abs().max() > MIN_EFFECT
 
 
-def _rope_rows(b: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """B's rows in the order QKVParallelLinear keeps q and k (pairs (j, j + D/2) adjacent)."""
-    half = head_dim // 2
-    heads = b.view(-1, head_dim, b.shape[1])
-    return torch.stack([heads[:, :half], heads[:, half:]], dim=2).reshape(b.shape)
+class _RankGroup:
+    """Stands in for the TP group of rank `rank` of `size` without processes: the test does
+    the all-reduce itself (the sum of the ranks' partial outputs)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.world_size = rank, size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "q_rope"])
-def test_column_shards_rebuild_the_full_product(rope: bool) -> None:
+def _adapted(make, names: tuple[str, ...], rank: int, size: int, monkeypatch,
+             weights: dict, subs: list) -> ColumnParallelLinear | RowParallelLinear:
+    """Rank `rank`'s layer with the full base weights loaded and the adapter in slot 1."""
+    monkeypatch.setattr(layers, "get_tp_group", lambda: _RankGroup(rank, size))
+    layer = make()
+    for shard_id, w in weights.items():
+        layer.weight_loader(layer.weight, w, None if shard_id == "" else shard_id)
+    layer.lora = LoRAWeights(layer, names, 2, 4, torch.float32, LoRABatch())
+    layer.lora.write(1, layer.lora.shard(subs))
+    layer.lora.batch.set([1, -1, 1, 1])  # the second token is the base model's
+    return layer
+
+
+# TP3's shape: hidden 96, 6 heads and 3 KV heads of 16, intermediate 192.
+_KINDS = {
+    "qkv": (lambda: layers.QKVParallelLinear(96, 16, 6, 3, False, torch.float32,
+                                             rope_interleave=True),
+            ("q_proj", "k_proj", "v_proj"), {"q": (96, 96), "k": (48, 96), "v": (48, 96)}),
+    "gate_up": (lambda: layers.MergedColumnParallelLinear(96, [192, 192], False, torch.float32),
+                ("gate_proj", "up_proj"), {0: (192, 96), 1: (192, 96)}),
+    "down": (lambda: layers.RowParallelLinear(192, 96, False, torch.float32), ("down_proj",),
+             {"": (96, 192)}),
+}
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+def test_tp3_shards_rebuild_the_full_layer(kind: str, monkeypatch) -> None:
+    """Each rank's layer (base + adapter, q/k in RoPE order) against the whole layer: column
+    layers' rank outputs are its row slices, row layers' partial sums add up to it."""
+    make, names, shapes = _KINDS[kind]
     g = torch.Generator().manual_seed(0)
-    head_dim, heads, rank, tp = 8, 6, 4, 3
-    a = torch.randn(rank, 40, generator=g)
-    b = torch.randn(heads * head_dim, rank, generator=g)
-    x = torch.randn(5, 40, generator=g)
-    parts = [shard_column(a, b, r, tp, head_dim if rope else None) for r in range(tp)]
-    out = torch.cat([x @ pa.t() @ pb.t() for pa, pb in parts], dim=1)
-    full = x @ a.t() @ (_rope_rows(b, head_dim) if rope else b).t()
-    torch.testing.assert_close(out, full)
-    assert all(pa is a for pa, _ in parts)  # A stays whole on every rank
-
-
-def test_row_shards_sum_to_the_full_product() -> None:
-    g = torch.Generator().manual_seed(1)
-    a, b, x = torch.randn(4, 48, generator=g), torch.randn(24, 4, generator=g), \
-        torch.randn(5, 48, generator=g)
-    tp = 3
-    parts = [shard_row(a, b, r, tp) for r in range(tp)]
-    xs = x.chunk(tp, dim=1)  # each rank holds its columns of x (a column-parallel output)
-    total = sum(xr @ pa.t() @ pb.t() for xr, (pa, pb) in zip(xs, parts, strict=True))
-    torch.testing.assert_close(total, x @ a.t() @ b.t())
+    weights = {k: torch.randn(*shape, generator=g) for k, shape in shapes.items()}
+    subs = [(torch.randn(4, shape[1], generator=g), torch.randn(shape[0], 4, generator=g), 0.5)
+            for shape in shapes.values()]
+    subs[-1] = None if len(subs) > 1 else subs[-1]  # v / up left alone by the adapter
+    x = torch.randn(4, next(iter(shapes.values()))[1], generator=g)
+    full = _adapted(make, names, 0, 1, monkeypatch, weights, subs)
+    with torch.inference_mode():
+        want = full(x)
+        ranks = [_adapted(make, names, r, 3, monkeypatch, weights, subs) for r in range(3)]
+        if isinstance(full, RowParallelLinear):
+            got = sum(layer(xr) for layer, xr in zip(ranks, x.chunk(3, dim=1), strict=True))
+        else:
+            parts = [layer(x).split(layer.local_sizes, dim=1) for layer in ranks]
+            got = torch.cat([torch.cat(p, dim=1) for p in zip(*parts, strict=True)], dim=1)
+        assert full.lora is not None
+        full.lora.batch.set(None)
+        base = full(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert (want[1] == base[1]).all()  # the base token untouched
+    assert (want[0] - base[0]).abs().max() > MIN_EFFECT
 
 
 def _quantized_weights(folder: Path) -> list[tuple[str, torch.Tensor | QuantizedTensor]]:
