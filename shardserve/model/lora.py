@@ -180,6 +180,12 @@ class LoRAWeights:
         """out += the step's adapters' x A^T B^T, one pair of matmuls per slot; returns out.
         On CPUs one C call does every slot (the same sums whatever the batch; the fused decode
         step calls the same kernel, so both paths agree bit for bit)."""
+        slots = self.batch.slots
+        if slots is None:
+            return out
+        if slots.shape[0] != x.shape[0]:  # the kernel would read past the slots
+            raise ValueError(f"the LoRA batch has {slots.shape[0]} token slots but the layer "
+                             f"got {x.shape[0]} rows: prepare() takes the step's token counts")
         if self._native(out, x):
             assert self.batch.slots is not None
             native_kernels.lora_add_(out, x, self.batch.slots, self.a, self.bt, self.seg_ends)

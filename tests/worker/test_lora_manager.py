@@ -97,6 +97,9 @@ def test_prepare_assigns_slots(reqs, tiny_llama_dir: Path) -> None:
     m.prepare([reqs[2], reqs[3]], [1, 1])
     assert m.list() == [2, 3] and (m.slot_of(2), m.slot_of(3)) == (s2, s1)
     torch.testing.assert_close(slot_a(m, s1), adapter_a(m, reqs[3]))
+    with pytest.raises(ValueError, match=r"the LoRA batch has 2 token slots but the layer got "
+                                         r"3 rows"):
+        m.model.lora_layers[0][O_PROJ].add_to(torch.zeros(3, 64), torch.zeros(3, 64))
     m.prepare([None, None], [4, 2])
     assert not m.batch.active and m.batch.groups == []
     with pytest.raises(ValueError, match=r"2 requests but 1 token counts"):
