@@ -4,15 +4,20 @@
     POST /sleep        ?level=1|2 [&replica=i]         free KV cache (and weights at level 2)
     POST /wake_up      [?tags=weights&tags=kv_cache] [&replica=i]
     GET  /is_sleeping  [?replica=i]                    {"is_sleeping": bool, "replicas": {...}}
+    POST /start_profile                                torch's profiler on every rank and core
+    POST /stop_profile                                 {"traces": [the Chrome trace files]}
 
 They change what every client gets, so they are authenticated: with --api-key they need the
 same `Authorization: Bearer <key>` as /v1 (ApiKeyMiddleware covers these paths); without one
 the POSTs are refused (403) rather than left open. A replica put to sleep takes no new request
-until woken; a sleep while it runs requests is refused (409).
+until woken; a sleep while it runs requests is refused (409). The profile endpoints need
+--profiler-dir or --profiler-config (404 otherwise); a second start, or a stop without a start,
+is a 409.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Query
@@ -21,15 +26,17 @@ from pydantic import BaseModel
 
 from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.entrypoints.server.protocol import error_body
+from shardserve.worker.profiler import ProfilerConfig
 
-ADMIN_PATHS = ("/scale", "/sleep", "/wake_up", "/is_sleeping")
+ADMIN_PATHS = ("/scale", "/sleep", "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile")
 
 
 class ScaleRequest(BaseModel):
     data_parallel_size: int
 
 
-def add_admin_routes(app: FastAPI, client: AsyncEngineClient, api_key: str | None) -> None:
+def add_admin_routes(app: FastAPI, client: AsyncEngineClient, api_key: str | None,
+                     profiler: ProfilerConfig | None = None) -> None:
     def refused() -> JSONResponse | None:
         if api_key:
             return None  # the middleware has checked the key
@@ -78,6 +85,40 @@ def add_admin_routes(app: FastAPI, client: AsyncEngineClient, api_key: str | Non
             states = await client.call("is_sleeping", replicas=indices)
             return {"is_sleeping": all(states),
                     "replicas": {str(i): s for i, s in zip(indices, states, strict=True)}}
+        return await _answer(run)
+
+    _add_profile_routes(app, client, refused, profiler)
+
+
+def _add_profile_routes(app: FastAPI, client: AsyncEngineClient,
+                        refused: Callable[[], JSONResponse | None],
+                        profiler: ProfilerConfig | None) -> None:
+    def no_profiler() -> JSONResponse | None:
+        if profiler is not None:
+            return refused()
+        return JSONResponse(error_body(
+            "profiling is off; start the server with --profiler-dir DIR (or --profiler-config "
+            "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"DIR\"}')", "NotFoundError",
+            None, 404), status_code=404)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Any:
+        if (denied := no_profiler()) is not None:
+            return denied
+
+        async def run() -> dict[str, Any]:
+            await client.call("start_profile", profiler)
+            return {}
+        return await _answer(run)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Any:
+        if (denied := no_profiler()) is not None:
+            return denied
+
+        async def run() -> dict[str, Any]:
+            traces = await client.call("stop_profile")
+            return {"traces": [path for core in traces for path in core]}
         return await _answer(run)
 
 

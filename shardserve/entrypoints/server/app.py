@@ -27,6 +27,7 @@ from shardserve.entrypoints.server.beam_serving import completion_response
 from shardserve.entrypoints.server.body_limit import BodySizeLimit
 from shardserve.entrypoints.server.embeddings import add_embedding_routes, add_generation_guard
 from shardserve.entrypoints.server.limits import ServerLimits
+from shardserve.entrypoints.server.lora_serving import LoRAModule, ServedAdapters, add_lora_routes
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,19 +39,25 @@ from shardserve.entrypoints.server.protocol import (
 from shardserve.entrypoints.server.responses_protocol import ResponsesRequest
 from shardserve.entrypoints.server.serving import OpenAIServing
 from shardserve.errors import EngineDeadError
+from shardserve.worker.profiler import ProfilerConfig
 
 
 def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
               api_key: str | None = None, docs: bool = True,
               limits: ServerLimits | None = None, chat_template: str | None = None,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, lora_modules: list[LoRAModule] | None = None,
+              allow_runtime_lora: bool = False, profiler: ProfilerConfig | None = None
+              ) -> FastAPI:
     limits = limits or ServerLimits()
-    serving = OpenAIServing(client, served_name, aliases, limits, chat_template, tool_parser)
+    adapters = ServedAdapters(client, served_name, lora_modules, allow_runtime_lora, aliases)
+    serving = OpenAIServing(client, served_name, aliases, limits, chat_template, tool_parser,
+                            adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         try:
+            await adapters.load_startup()  # --lora-modules: a bad adapter stops the start
             yield
         finally:
             # Runs when uvicorn stops (SIGTERM / Ctrl-C): stop the engine and its workers.
@@ -65,7 +72,8 @@ def build_app(client: AsyncEngineClient, served_name: str, aliases: set[str],
         _add_api_key_check(app, api_key)
     _add_routes(app, serving)
     add_embedding_routes(app, serving)
-    add_admin_routes(app, client, api_key)
+    add_admin_routes(app, client, api_key, profiler)
+    add_lora_routes(app, adapters, api_key)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     return app
 
@@ -85,19 +93,23 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def responses(body: ResponsesRequest, raw: HTTPRequest):
         return await responses_api.respond(serving, body, raw)
 
-    def card() -> dict[str, Any]:
-        return {"id": serving.served_name, "object": "model", "created": int(time.time()),
+    def cards() -> list[dict[str, Any]]:
+        """The base model, then each LoRA adapter (its parent: the base model)."""
+        created = int(time.time())
+        base = {"id": serving.served_name, "object": "model", "created": created,
                 "owned_by": "shardserve", "root": str(client.config.model_config.path),
                 "max_model_len": serving.max_model_len}
+        return [base, *serving.adapters.cards(created)]
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        serving.check_model(model_id)
-        return card()
+        lora = serving.lora_for(model_id)
+        return cards()[0] if lora is None else \
+            next(c for c in cards() if c["id"] == lora.lora_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -114,7 +114,7 @@ async def _search(serving: OpenAIServing, job: _Job, params: BeamSearchParams
     step = 0
     while not search.done:
         runs = [_last(client.generate(f"{job.request_id}-{step}-{k}", (None, tokens),
-                                      search.step_params))
+                                      search.step_params, lora_request=job.lora_request))
                 for k, tokens in enumerate(search.requests())]
         search.advance(await asyncio.gather(*runs))
         step += 1

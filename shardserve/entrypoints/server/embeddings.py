@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from shardserve.engine.pooling import pooling_request_params
 from shardserve.entrypoints.server.protocol import ServerError, error_body
 from shardserve.entrypoints.server.serving import OpenAIServing
+from shardserve.lora.request import LoRARequest
 from shardserve.pooling_params import PoolingParams
 from shardserve.sampling_params import SamplingParams
 
@@ -97,7 +98,7 @@ async def embed(serving: OpenAIServing, req: EmbeddingRequest) -> dict[str, Any]
     if not client.config.model_config.is_pooling:
         raise ServerError(400, "/v1/embeddings needs a server started with --runner pooling; "
                           "this one runs --runner generate (completions and chat)", "model")
-    serving.check_model(req.model)
+    lora = serving.lora_for(req.model)
     if req.model_extra:
         logger.info("ignored /v1/embeddings fields: %s", ", ".join(sorted(req.model_extra)))
     texts = req.inputs()
@@ -114,7 +115,8 @@ async def embed(serving: OpenAIServing, req: EmbeddingRequest) -> dict[str, Any]
     client.admit(len(prompts))
     request_id = f"embd-{uuid.uuid4().hex}"
     vectors = await asyncio.gather(*(
-        _one(serving, f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)))
+        _one(serving, f"{request_id}-{i}", prompt, params, lora)
+        for i, prompt in enumerate(prompts)))
     num_tokens = sum(len(ids) for _, ids in prompts)
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": req.model or serving.served_name,
@@ -136,10 +138,10 @@ def _params(serving: OpenAIServing, req: EmbeddingRequest) -> SamplingParams:
 
 
 async def _one(serving: OpenAIServing, request_id: str, prompt: tuple[str | None, list[int]],
-               params: SamplingParams) -> np.ndarray:
+               params: SamplingParams, lora: LoRARequest | None) -> np.ndarray:
     """One input's vector (leaving early aborts its engine request: generate's finally)."""
     final = None
-    async for out in serving.client.generate(request_id, prompt, params):
+    async for out in serving.client.generate(request_id, prompt, params, lora_request=lora):
         final = out
     if final is None or final.pooled is None:
         raise ServerError(500, f"request {request_id} ended without an embedding")

@@ -106,6 +106,21 @@ class ServeCommand:
                            "workers for a multi-node engine (with --nnodes, --node-rank >= 1, "
                            "--master-addr, --master-port and the SHARDSERVE_CLUSTER_SECRET node 0 "
                            "printed); no HTTP server. Exits when node 0 stops or is gone.")
+        group.add_argument("--lora-modules", nargs="+", default=None, metavar="ADAPTER",
+                           help="LoRA adapters to serve (needs --enable-lora), each as "
+                           "name=path or '{\"name\": ..., \"path\": ..., \"base_model_name\": "
+                           "...}'; a request whose model is the name runs with it.")
+        group.add_argument("--allow-runtime-lora-updating", action="store_true", help="Serve "
+                           "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (need "
+                           "--enable-lora and --api-key).")
+        group.add_argument("--profiler-dir", default=None, metavar="DIR", help="Serve POST "
+                           "/start_profile and /stop_profile (need --api-key): torch's profiler "
+                           "on every rank and engine core, a Chrome trace each in DIR.")
+        group.add_argument("--profiler-config", default=None, metavar="JSON", help="vLLM's "
+                           "form of --profiler-dir: '{\"profiler\": \"torch\", "
+                           "\"torch_profiler_dir\": DIR, \"torch_profiler_record_shapes\": "
+                           "false, \"torch_profiler_with_stack\": false, "
+                           "\"torch_profiler_with_memory\": false}'.")
         group.add_argument("--uvicorn-log-level", default="info",
                            choices=["critical", "error", "warning", "info", "debug"])
         group.add_argument("--access-log", action="store_true",
@@ -129,6 +144,7 @@ class ServeCommand:
             raise ValueError(f"{e}; install the server extra: pip install 'shardserve[server]'") \
                 from e
         from shardserve.engine.config_builder import engine_config_from_kwargs
+        from shardserve.worker.profiler import ProfilerConfig
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
@@ -145,6 +161,8 @@ class ServeCommand:
             )
         served, aliases = served_names(args.model, args.served_model_name,
                                        config.model_config.path)
+        lora_modules = _lora_modules(args, config)
+        profiler = ProfilerConfig.parse(args.profiler_config, args.profiler_dir)
         client, status = None, 0
         with _terminated_by_sigterm():
             try:
@@ -154,7 +172,9 @@ class ServeCommand:
                 app = build_app(client, served, aliases, api_key,
                                 docs=not args.disable_fastapi_docs, limits=limits,
                                 chat_template=chat_template,
-                                tool_parser=_tool_parser(args))
+                                tool_parser=_tool_parser(args), lora_modules=lora_modules,
+                                allow_runtime_lora=args.allow_runtime_lora_updating,
+                                profiler=profiler)
                 uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.uvicorn_log_level,
                                            access_log=args.access_log,
@@ -192,6 +212,28 @@ def _tool_parser(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
+def _lora_modules(args: argparse.Namespace, config: Any) -> list[Any]:
+    """--lora-modules (LoRAModule each), every adapter checked against the model before the
+    engine starts (a bad one is `error: ...`, not a failed start minutes later); both LoRA
+    flags need --enable-lora."""
+    from shardserve.entrypoints.server.lora_serving import parse_lora_modules
+    from shardserve.lora.peft_adapter import LoRAError, load_peft_adapter
+
+    for flag, given in (("--lora-modules", args.lora_modules),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+        if given and config.lora_config is None:
+            raise ValueError(f"{flag} needs --enable-lora (and --max-lora-rank at least the "
+                             f"adapters' rank)")
+    modules = parse_lora_modules(args.lora_modules)
+    for m in modules:
+        try:  # every shape checked, no weight read (layers=())
+            load_peft_adapter(m.path, config.model_config.arch, config.lora_config.max_lora_rank,
+                              layers=())
+        except LoRAError as e:
+            raise ValueError(f"--lora-modules {m.name}={m.path}: {e}") from e
+    return modules
 
 
 def _model_arg(positional: str | None, flag: str | None) -> str | None:

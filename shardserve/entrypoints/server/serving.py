@@ -25,6 +25,7 @@ from shardserve.engine.async_engine import AsyncEngineClient
 from shardserve.engine.structured_output import check_grammar
 from shardserve.entrypoints.server.disconnect import unless_disconnected
 from shardserve.entrypoints.server.limits import ServerLimits
+from shardserve.entrypoints.server.lora_serving import ServedAdapters
 from shardserve.entrypoints.server.prompts import Prompt, PromptPreparer
 from shardserve.entrypoints.server.protocol import (
     ChatCompletionRequest,
@@ -43,6 +44,7 @@ from shardserve.entrypoints.server.response_formats import (
 )
 from shardserve.entrypoints.server.tool_calls import ToolMode, tool_mode
 from shardserve.errors import EngineDeadError
+from shardserve.lora.request import LoRARequest
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
@@ -65,6 +67,7 @@ class _Job:
     format: ResponseFormat  # completion or chat JSON
     created: int = field(default_factory=lambda: int(time.time()))
     priority: int = 0  # vLLM's extension (--scheduling-policy priority)
+    lora_request: LoRARequest | None = None  # `model` named an adapter
 
     @property
     def n(self) -> int:
@@ -74,11 +77,13 @@ class _Job:
 class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, served_name: str, aliases: set[str],
                  limits: ServerLimits | None = None, chat_template: str | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, adapters: ServedAdapters | None = None
+                 ) -> None:
         self.tool_parser = tool_parser  # --tool-call-parser, with --enable-auto-tool-choice
         self.client = client
         self.served_name = served_name
         self.aliases = aliases | {served_name}
+        self.adapters = adapters or ServedAdapters(client, served_name)
         self.max_model_len = client.config.model_config.max_model_len
         self.limits = limits or ServerLimits()
         self.prompts = PromptPreparer(client.inputs, client.tokenizer, self.max_model_len,
@@ -86,9 +91,20 @@ class OpenAIServing:
 
     # ---- building a job ----
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.aliases:
+        self.lora_for(name)
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); a 404 naming what is
+        served for any other name (never the base model in its place)."""
+        if name is None or name in self.aliases:
+            return None
+        lora = self.adapters.get(name)
+        if lora is None:
+            loaded = ", ".join(f"`{n}`" for n in self.adapters.names())
             raise ServerError(404, f"The model `{name}` does not exist; this server serves "
-                              f"`{self.served_name}`", "model")
+                              f"`{self.served_name}`" + (f" and the LoRA adapters {loaded}"
+                              if loaded else ""), "model")
+        return lora
 
     def _max_tokens(self, ids: list[int], requested: int | None, explicit: bool,
                     default: int | None) -> int:
@@ -130,7 +146,7 @@ class OpenAIServing:
 
     async def completion_job(self, req: CompletionRequest) -> _Job:
         _log_unknown(req.check_supported())
-        self.check_model(req.model)
+        lora = self.lora_for(req.model)
         self.limits.check_sampling(req)
         texts = req.prompts()
         self.limits.check_prompt_count(len(texts), req.n)
@@ -143,7 +159,7 @@ class OpenAIServing:
         await self._check_grammar(params[0])
         return _Job(f"cmpl-{uuid.uuid4().hex}", req.model or self.served_name, prompts, params,
                     req.stream, req.include_usage, await self._completion_format(req, prompts),
-                    priority=self._priority(req))
+                    priority=self._priority(req), lora_request=lora)
 
     async def _completion_format(self, req: CompletionRequest,
                                  prompts: list[Prompt]) -> CompletionFormat:
@@ -164,7 +180,7 @@ class OpenAIServing:
             raise ServerError(400, "continue_final_message needs add_generation_prompt false: "
                               "the last message is continued, not answered",
                               "continue_final_message")
-        self.check_model(req.model)
+        lora = self.lora_for(req.model)
         self.limits.check_sampling(req)
         self.limits.check_chat_template(req)
         self.limits.check_prompt_count(1, req.n)
@@ -179,7 +195,7 @@ class OpenAIServing:
         await self._check_grammar(params)
         return _Job(f"chatcmpl-{uuid.uuid4().hex}", req.model or self.served_name, [prompt],
                     [params], req.stream, req.include_usage, _chat_format(params, tools),
-                    priority=self._priority(req))
+                    priority=self._priority(req), lora_request=lora)
 
     def _priority(self, req: CompletionRequest | ChatCompletionRequest) -> int:
         """The request's priority; a 400 naming it where the engine cannot honour it."""
@@ -235,7 +251,8 @@ class OpenAIServing:
         return view.events(job, job.format.stream(outputs, job.n, job.params[0].stop), finals)
 
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
-        return [self.client.generate(f"{job.request_id}-{i}", prompt, params, job.priority)
+        return [self.client.generate(f"{job.request_id}-{i}", prompt, params, job.priority,
+                                     lora_request=job.lora_request)
                 for i, (prompt, params) in enumerate(zip(job.prompts, job.params, strict=True))]
 
     async def _collect(self, job: _Job) -> dict[str, Any]:
