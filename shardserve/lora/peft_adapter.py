@@ -31,7 +31,7 @@ from shardserve.config.model_arch import ModelArch
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-_KEY_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
+_KEY_RE = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
                      r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # Whole-model modules an adapter may not target (their names in HF's Llama).
 _OTHER_MODULES = ("model.embed_tokens", "lm_head", "model.norm")
