@@ -6,8 +6,9 @@
         DIR/trace_dp<d>_pp<p>_tp<t>.json; the core writes DIR/trace_engine_core_dp<d>.json
 
 The files are torch's Chrome-trace JSON, which Perfetto (ui.perfetto.dev) and chrome://tracing
-read. A process profiles once at a time: a second start while one runs is refused, as is a stop
-without a start. Where a rank runs inside the engine core's own process (the `uni` and
+read; a later profile writes the same names again (move the files to keep them). A process
+profiles once at a time: a second start while one runs is refused, as is a stop without a
+start. Where a rank runs inside the engine core's own process (the `uni` and
 `external_launcher` backends) torch allows one profiler there, so the rank's trace is the only
 one and holds the core's work too.
 
