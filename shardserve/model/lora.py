@@ -13,7 +13,9 @@ is zero-padded. Tensor parallelism shards an adapter like the layer it adapts (s
 
 The add is grouped by slot (every token of one adapter in one pair of matmuls), never per
 token, and tokens of the base model (slot -1) are not touched. `LoRAWeights.add_to` is the one
-place that computes it.
+place the layers compute it: one C call for all slots on CPUs (csrc/lora_kernels.c, which the
+fused decode step calls too), torch grouped by slot elsewhere. B is kept transposed (`bt`
+[slots, R_total, N], `b` its [slots, N, R_total] view) for the kernel's unit-stride expand.
 """
 
 from __future__ import annotations
@@ -223,8 +225,3 @@ def attach(layers: nn.ModuleList, first_layer: int, max_loras: int, max_rank: in
             entry[path] = module.lora
     return batch, table
 
-
-def lora_active(layers: Sequence[nn.Module]) -> bool:
-    """Whether the step adds adapters (the fused decode path cannot, yet)."""
-    lora = layers[0].get_submodule("self_attn.qkv_proj").lora if layers else None
-    return lora is not None and lora.batch.active
