@@ -224,4 +224,3 @@ def attach(layers: nn.ModuleList, first_layer: int, max_loras: int, max_rank: in
             module.lora = LoRAWeights(module, names, max_loras, max_rank, dtype, batch)
             entry[path] = module.lora
     return batch, table
-
