@@ -54,7 +54,8 @@ class LoRABatch:
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None
-        self.groups: list[tuple[int, Rows]] = []
+        self._cpu_slots: torch.Tensor | None = None
+        self._groups: list[tuple[int, Rows]] | None = []
 
     @property
     def active(self) -> bool:
@@ -64,20 +65,27 @@ class LoRABatch:
             device: torch.device | str = "cpu") -> None:
         """Use `slots` (one per token of the next forward) until the next call; None or all
         -1: a base-only step."""
-        self.slots, self.groups = None, []
+        self.slots, self._cpu_slots, self._groups = None, None, []
         if slots is None:
             return
         t = torch.as_tensor(slots, dtype=torch.int32).cpu()
-        present = [int(s) for s in torch.unique(t) if s >= 0]
-        if not present:
-            return
-        for slot in present:
-            idx = (t == slot).nonzero().squeeze(1)
-            first, last = int(idx[0]), int(idx[-1])
-            rows: Rows = slice(first, last + 1) if last - first + 1 == idx.numel() else \
-                idx.to(device)
-            self.groups.append((slot, rows))
-        self.slots = t.to(device)
+        if t.numel() and bool((t >= 0).any()):
+            self.slots, self._cpu_slots, self._groups = t.to(device), t, None
+
+    @property
+    def groups(self) -> list[tuple[int, Rows]]:
+        """Worked out on first use (the C kernel reads `slots` alone)."""
+        if self._groups is None:
+            t, device = self._cpu_slots, self.slots.device  # type: ignore[union-attr]
+            assert t is not None
+            self._groups = []
+            for slot in [int(s) for s in torch.unique(t) if s >= 0]:
+                idx = (t == slot).nonzero().squeeze(1)
+                first, last = int(idx[0]), int(idx[-1])
+                rows: Rows = slice(first, last + 1) if last - first + 1 == idx.numel() else \
+                    idx.to(device)
+                self._groups.append((slot, rows))
+        return self._groups
 
     def clear(self) -> None:
         self.set(None)
