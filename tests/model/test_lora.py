@@ -102,6 +102,21 @@ def test_logits_equal_peft(name: str, hf, adapters, tiny_llama_dir: Path,
         assert (w - b).abs().max() > MIN_EFFECT  # the adapter matters
 
 
+def test_qwen2_logits_equal_peft(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    """q/k/v biases (added by the base product, before the adapter) and a tied LM head."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir,
+                                                           dtype=torch.float32).eval()
+    folder = make_peft_adapter(hf, tmp_path / "q", rank=8, seed=6)
+    model, manager = load(tiny_qwen2_dir)
+    req = LoRARequest("q", 1, str(folder))
+    ids = prompts(model.arch.vocab_size)
+    got = step(PagedRunner(model), manager, [(str(i), p, req) for i, p in enumerate(ids)])
+    for g, w in zip(got, peft_logits(hf, folder, ids), strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_mixed_batch_equals_each_alone(adapters, tiny_llama_dir: Path, kernel_path: str) -> None:
     """Base, A, B and A again (A's tokens not adjacent) in one step equal each run alone."""
     model, manager = load(tiny_llama_dir)
