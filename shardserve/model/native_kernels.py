@@ -32,8 +32,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ PORTABLE_ARCH = ("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _BUILD_TIMEOUT_S = 120.0
 _override: ctypes.CDLL | None = None
+_wrapper: Callable[[ctypes.CDLL], Any] | None = None  # see wrap_calls
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -365,8 +367,16 @@ def lib() -> ctypes.CDLL:
     return _lib()
 
 
+def wrap_calls(wrapper: Callable[[ctypes.CDLL], Any] | None) -> None:
+    """Hand every caller `wrapper(library)` instead of the library until called with None:
+    the profiler's view, whose functions record a range per call (worker/profiler.py). Every
+    kernel call looks the library up when it runs, so this reaches all of them."""
+    global _wrapper
+    _wrapper = wrapper
+
+
 def _lib() -> ctypes.CDLL:
     lib = _override or library()
     if lib is None:
         raise RuntimeError("native CPU kernels are not available (see supports())")
-    return lib
+    return lib if _wrapper is None else _wrapper(lib)

@@ -17,8 +17,8 @@ products, the fused decode layers) are C called through ctypes, which torch's pr
 see. While a profile runs, every call into that library is wrapped in a
 `torch.profiler.record_function("kernel::<C function>")` range, and each model step in
 "shardserve::execute_step" (a rank) or "shardserve::engine_step" (a core), so the trace names
-them. The wrapping is put in place at start and taken away at stop (the library accessor and the
-step method are swapped, nothing is checked per call), so profiling costs nothing when off.
+them. The wrapping is put in place at start and taken away at stop (native_kernels.wrap_calls;
+the step method is swapped), so profiling costs one None check a kernel call when off.
 """
 
 from __future__ import annotations
@@ -193,25 +193,19 @@ class _LabelledLibrary:
         return wrapped
 
 
-_plain_lib: Callable[[], Any] | None = None
-
-
 def _label_kernels(on: bool) -> None:
-    """Swap native_kernels' library accessor for one handing out labelled functions, or back.
-    Every kernel call looks the accessor up at call time, so the swap reaches all of them."""
-    global _plain_lib
-    if on and _plain_lib is None:
-        plain = native_kernels._lib
-        wrappers: dict[int, _LabelledLibrary] = {}  # by library (tests may swap it)
+    """Have native_kernels hand out labelled functions (one view per library: tests may swap
+    the library), or the plain library again."""
+    if not on:
+        native_kernels.wrap_calls(None)
+        return
+    views: dict[int, _LabelledLibrary] = {}
 
-        def labelled() -> _LabelledLibrary:
-            lib = plain()
-            if id(lib) not in wrappers:
-                wrappers[id(lib)] = _LabelledLibrary(lib)
-            return wrappers[id(lib)]
-        _plain_lib, native_kernels._lib = plain, labelled
-    elif not on and _plain_lib is not None:
-        native_kernels._lib, _plain_lib = _plain_lib, None
+    def labelled(lib: Any) -> _LabelledLibrary:
+        if id(lib) not in views:
+            views[id(lib)] = _LabelledLibrary(lib)
+        return views[id(lib)]
+    native_kernels.wrap_calls(labelled)
 
 
 def trace_event_names(path: str | Path) -> set[str]:
