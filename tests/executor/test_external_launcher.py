@@ -15,7 +15,9 @@ from shardserve import LLM, SamplingParams
 from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.executor.abstract import Executor
 from shardserve.executor.external_launcher import ExternalLauncherExecutor
+from shardserve.lora.request import LoRARequest
 from tests.conftest import our_segments
+from tests.executor.lora_cases import tiny_adapter, uni_lora_tokens
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello, world! How are"]
 PARAMS = [  # greedy, and seeded random sampling (which must not diverge across ranks)
@@ -30,15 +32,22 @@ SCRIPT = textwrap.dedent(
     model, work, tp, pp, async_on = sys.argv[1:6]
     spec = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
     with open(work, "rb") as f:
-        prompts, params = pickle.load(f)
+        prompts, params, lora = pickle.load(f)
     llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=int(tp),
               pipeline_parallel_size=int(pp), async_scheduling=async_on == "1",
-              distributed_executor_backend="external_launcher", speculative_config=spec)
+              distributed_executor_backend="external_launcher", speculative_config=spec,
+              enable_lora=lora is not None, max_lora_rank=8)
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     accepted = llm.get_metrics()["spec_decode_num_accepted_tokens"]
+    adapter = None  # with an adapter: its outputs, and the lists of every rank (gathered)
+    if lora is not None:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        adapter = [[o.outputs[0].token_ids for o in outs], llm.engine.core.executor.list_loras()]
+        llm.remove_lora(lora.lora_int_id)
+        adapter.append(llm.engine.core.executor.list_loras())
     with open(f"{work}.rank{os.environ['RANK']}.json", "w") as f:  # ranks share one stdout
-        json.dump([tokens, accepted], f)
+        json.dump([tokens, accepted, adapter], f)
     llm.shutdown()
     """
 )
@@ -52,10 +61,16 @@ SCRIPT = textwrap.dedent(
     ids=["tp2", "pp2-async", "tp2xpp2"],
 )
 def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
+    """With TP=2 also a LoRA adapter: every rank's engine loads it on its own worker, the
+    ranks' lists are gathered and agree, and the outputs through it equal uni's."""
     before = our_segments()
     want = _uni(tiny_llama_dir, PROMPTS)
-    got = _torchrun(tiny_llama_dir, tmp_path, PROMPTS, tp, pp, async_on)
-    assert all(tokens == want for tokens, _ in got), (got, want)
+    lora = tiny_adapter(tiny_llama_dir, tmp_path / "adapter") if (tp, pp) == (2, 1) else None
+    got = _torchrun(tiny_llama_dir, tmp_path, PROMPTS, tp, pp, async_on, lora=lora)
+    assert all(tokens == want for tokens, _, _ in got), (got, want)
+    if lora is not None:
+        want_lora = uni_lora_tokens(tiny_llama_dir, lora, PROMPTS, PARAMS)
+        assert all(adapter == [want_lora, [1], []] for _, _, adapter in got), got
     assert our_segments() == before
 
 
@@ -68,8 +83,8 @@ def test_torchrun_speculative_decoding_equals_uni(echo_model, tmp_path) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
     got = _torchrun(echo_model, tmp_path, prompts, 1, 2, False, spec)
-    assert all(tokens == want for tokens, _ in got), (got, want)
-    assert all(accepted > 0 for _, accepted in got), got  # drafts were really verified
+    assert all(tokens == want for tokens, _, _ in got), (got, want)
+    assert all(accepted > 0 for _, accepted, _ in got), got  # drafts were really verified
 
 
 def _uni(model, prompts: list) -> list[list[int]]:
@@ -81,11 +96,12 @@ def _uni(model, prompts: list) -> list[list[int]]:
 
 
 def _torchrun(model, tmp_path, prompts: list, tp: int, pp: int, async_on: bool,
-              spec: dict | None = None) -> list[list]:
-    """Each rank's [tokens, drafts accepted] from SCRIPT under torchrun."""
+              spec: dict | None = None, lora: LoRARequest | None = None) -> list[list]:
+    """Each rank's [tokens, drafts accepted, adapter results or None] from SCRIPT under
+    torchrun."""
     script, work = tmp_path / "ranks.py", tmp_path / "work.pkl"
     script.write_text(SCRIPT)
-    work.write_bytes(pickle.dumps((prompts, PARAMS)))
+    work.write_bytes(pickle.dumps((prompts, PARAMS, lora)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "ipc"))
 from async_cases import run_cases  # noqa: E402
 from curve_strangers import assert_received_nothing, strangers  # noqa: E402
 from greedy_cases import greedy_tokens, uni_greedy_tokens  # noqa: E402
+from lora_cases import LORA_OPTIONS, check_adapter_calls, tiny_adapter, uni_lora_tokens  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
 
 SECRET = "multinode-test-secret"
@@ -194,15 +195,29 @@ def test_pp2_across_two_nodes_matches_hf(hf_default_greedy, cluster_env, no_left
         assert paths[0]["pp_shm"] == 0 and paths[0]["pp_gloo"] > 0, paths
 
 
+@pytest.fixture(scope="module")
+def lora_case(four_layer_model, tmp_path_factory):
+    """An adapter of the 4-layer model and uni's outputs through it."""
+    lora = tiny_adapter(four_layer_model, tmp_path_factory.mktemp("multinode_lora"))
+    return lora, uni_lora_tokens(four_layer_model, lora, LORA_PROMPTS, LORA_GREEDY, 128)
+
+
+LORA_PROMPTS = ["The quick brown fox", "def add(a, b):"]
+LORA_GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 def test_tiny_model_across_two_nodes_equals_uni(four_layer_model, pp_uni_results, cluster_env,
-                                                no_leftovers, tp, pp):
+                                                lora_case, no_leftovers, tp, pp):
+    """Also a LoRA adapter on the ranks of both nodes (TP shards, each stage its layers)."""
     tokens, stop_text, want = pp_uni_results
     flags = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
              "--max-model-len", "128"]
     with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128, seed=0,
-                   tensor_parallel_size=tp, pipeline_parallel_size=pp) as (llm, _):
+                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   **LORA_OPTIONS) as (llm, _):
         assert run_cases(llm, tokens, stop_text) == want
+        check_adapter_calls(llm, lora_case[0], LORA_PROMPTS, LORA_GREEDY, lora_case[1])
         paths = llm.collective_rpc(_paths)
         if pp == 1:  # one TP group over both nodes: gloo
             assert paths[0]["tp_shm"] == 0 and paths[0]["tp_gloo"] > 0, paths

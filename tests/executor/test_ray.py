@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fault_helpers import generate_until_dead  # noqa: E402
+from lora_cases import LORA_OPTIONS, check_adapter_calls, tiny_adapter, uni_lora_tokens  # noqa: E402
 from ray_helpers import nothing_left, our_segments, ray_session  # noqa: E402
 
 from shardserve import LLM, EngineDeadError, SamplingParams  # noqa: E402
@@ -45,6 +46,13 @@ def uni_tokens(tiny_llama_dir) -> list[list[int]]:
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def lora_case(tiny_llama_dir, tmp_path_factory):
+    """An adapter and uni's outputs through it."""
+    lora = tiny_adapter(tiny_llama_dir, tmp_path_factory.mktemp("ray_lora"))
+    return lora, uni_lora_tokens(tiny_llama_dir, lora, PROMPTS, GREEDY)
+
+
 def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -65,9 +73,9 @@ def _llm(path, path_id: str, **kwargs) -> LLM:
 
 
 @pytest.mark.parametrize("path_id", list(PATHS))
-def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, path_id):
+def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, lora_case, path_id):
     before = our_segments()
-    llm = _llm(tiny_llama_dir, path_id)
+    llm = _llm(tiny_llama_dir, path_id, **LORA_OPTIONS)
     executor = llm.engine.core.executor
     try:
         assert type(executor).__name__ == {"ray": "RayDistributedExecutor"}.get(
@@ -91,6 +99,7 @@ def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, path
         assert _tokens(llm) == uni_tokens
         if PATHS[path_id][1]:
             assert executor._graph is not None  # the steps really went through the graph
+        check_adapter_calls(llm, lora_case[0], PROMPTS, GREEDY, lora_case[1])
     finally:
         llm.shutdown()
     nothing_left(before)
