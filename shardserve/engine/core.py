@@ -89,7 +89,7 @@ class EngineCore:
             config.model_config.max_model_len,
             num_stages=config.parallel_config.pipeline_parallel_size,
             speculative_config=config.speculative_config,
-            max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
+            lora_config=config.lora_config,
         )
         self.dead = False
         self.sleep_level = 0  # 0 awake; else the level of the last sleep()
@@ -142,10 +142,17 @@ class EngineCore:
         return self.executor.add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self.scheduler.loras.pinned.discard(lora_int_id)
         return self.executor.remove_lora(lora_int_id)
 
     def pin_lora(self, lora_int_id: int) -> bool:
-        return self.executor.pin_lora(lora_int_id)
+        """Keep the adapter loaded on every rank (False: it is not loaded); refused when the
+        running requests' adapters would no longer fit beside the pinned ones."""
+        self.scheduler.loras.check_pin(lora_int_id, self.scheduler.running)
+        pinned = self.executor.pin_lora(lora_int_id)
+        if pinned:
+            self.scheduler.loras.pinned.add(lora_int_id)
+        return pinned
 
     def list_loras(self) -> list[int]:
         return self.executor.list_loras()

@@ -26,11 +26,11 @@ Speculative decoding (engine/spec_decode_scheduling.py): a decode may verify the
 workers proposed with its last step, as 1 + d query positions; the rejected ones are rolled back
 when the step's tokens are folded in.
 
-LoRA (`max_loras` > 0): the workers hold max_loras adapter slots, so the running requests never
-name more than max_loras distinct adapters (the base model takes no slot). A waiting request of
-another adapter is passed over (it keeps its place) until a running adapter's last request
-finishes; requests of the base model or of a running adapter are admitted past it. Every step
-schedules a subset of the running requests, so no step holds more either.
+LoRA (engine/lora_scheduling.py): the running requests never name more than max_loras distinct
+adapters (nor more than max_cpu_loras with the pinned ones). A waiting request of another
+adapter is passed over (it keeps its place) until a running adapter's last request finishes;
+requests of the base model or of a running adapter are admitted past it. Every step schedules a
+subset of the running requests, so no step holds more either.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from shardserve.config import SchedulerConfig
+from shardserve.config.lora import LoRAConfig
 from shardserve.engine.kv_cache import KVCacheManager
+from shardserve.engine.lora_scheduling import LoRAAdmission
 from shardserve.engine.request import Request, RequestStatus
 from shardserve.engine.request_queue import RequestQueue, make_request_queue
 from shardserve.engine.scheduler_results import SchedulerResults
@@ -61,7 +63,7 @@ class Scheduler(SchedulerResults):
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
         num_stages: int = 1, speculative_config: SpeculativeConfig | None = None,
-        max_loras: int = 0,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.config = config
         self.num_stages = num_stages
@@ -79,7 +81,7 @@ class Scheduler(SchedulerResults):
         self._ended_outside: list[EngineCoreOutput] = []
         self.spec = SpecDecodeScheduling(speculative_config)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's scheduled drafts
-        self.max_loras = max_loras  # distinct adapters the running requests may hold; 0: off
+        self.loras = LoRAAdmission(lora_config)  # which adapters may run together
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -227,7 +229,7 @@ class Scheduler(SchedulerResults):
     ) -> None:
         # Passed over this step: their grammar is not ready, or their adapter has no slot.
         passed: list[Request] = []
-        loras = self._running_loras()
+        self.loras.start(self.running)
         while (
             self.waiting
             and budget > 0
@@ -236,8 +238,12 @@ class Scheduler(SchedulerResults):
         ):
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.ready or \
-                    not self._lora_fits(request, loras):
-                passed.append(self.waiting.pop())
+                    not self.loras.fits(request):
+                why = self.loras.never_fits(request)
+                if why is None:
+                    passed.append(self.waiting.pop())
+                else:
+                    self._end_outside(request, why)
                 continue
             if request.grammar is not None and request.grammar.failed:
                 self._end_outside(request, request.grammar.failed)
@@ -272,23 +278,12 @@ class Scheduler(SchedulerResults):
                     lora_request=request.lora_request,
                 )
             )
-            if request.lora_int_id:
-                loras.add(request.lora_int_id)
+            self.loras.admitted(request)
             num_tokens[request.request_id] = n
             self._advance(request, n)
             budget -= n
         self.waiting.put_back(passed)
 
-    def _running_loras(self) -> set[int]:
-        """The distinct adapters of the running requests (empty when LoRA is off)."""
-        if not self.max_loras:
-            return set()
-        return {r.lora_int_id for r in self.running if r.lora_int_id}
-
-    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
-        """Whether admitting `request` keeps the running adapters within max_loras."""
-        lora = request.lora_int_id
-        return not (lora and self.max_loras) or lora in loras or len(loras) < self.max_loras
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks for a request that holds none yet (new, or preempted), leaving at

@@ -4,7 +4,10 @@ wait without blocking the base model's, and cached blocks are never shared acros
 
 from __future__ import annotations
 
+import pytest
+
 from shardserve.config import SchedulerConfig
+from shardserve.config.lora import LoRAConfig
 from shardserve.engine.kv_cache import KVCacheManager
 from shardserve.engine.request import Request
 from shardserve.engine.scheduler import Scheduler
@@ -23,10 +26,12 @@ def lora_req(rid: str, lora: int | LoRARequest, prompt: list[int], max_tokens: i
                    lora_request=adapter)
 
 
-def make(max_loras: int, prefix_caching: bool = False, **sched: object
-         ) -> tuple[Scheduler, FakeWorker]:
+def make(max_loras: int, prefix_caching: bool = False, max_cpu_loras: int | None = None,
+         **sched: object) -> tuple[Scheduler, FakeWorker]:
+    """A scheduler with LoRA (max_loras > 0) or without (0)."""
     kv = KVCacheManager(128, 4, enable_prefix_caching=prefix_caching)
-    s = Scheduler(SchedulerConfig(**sched), kv, 256, max_loras=max_loras)
+    lora = LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras) if max_loras else None
+    s = Scheduler(SchedulerConfig(**sched), kv, 256, lora_config=lora)
     return s, FakeWorker(4)
 
 
@@ -76,6 +81,27 @@ def test_without_lora_the_scheduler_ignores_adapters():
     for lora in (1, 2, 3):
         s.add_request(lora_req(f"r{lora}", lora, range(5), 2))
     assert len(s.schedule().scheduled_new_reqs) == 3
+
+
+def test_pinned_adapters_count_against_max_cpu_loras():
+    s, w = make(2, max_num_seqs=8)  # max_cpu_loras = max_loras = 2
+    s.loras.pinned.add(3)  # loaded for good on every rank: one of the two places is taken
+    for rid, lora in (("a", 1), ("b", 2), ("c", 3)):
+        s.add_request(lora_req(rid, lora, range(5), 2))
+    run = drive(s, w)
+    lora_of: dict[str, int] = {}
+    held = [step_loras(so, lora_of) for so in run.steps]
+    assert all(len(h | {3}) <= 2 for h in held)  # never two unpinned ones, so never three
+    assert {rid: len(t) for rid, t in run.tokens.items()} == {"a": 2, "b": 2, "c": 2}
+    with pytest.raises(ValueError, match="max_cpu_loras=2"):
+        s.loras.check_pin(4, [lora_req("x", 1, [1], 1)])  # 1 running, 3 and 4 pinned: 3 > 2
+    s.loras.pinned.add(4)  # now the pins fill every place: adapter 1 could never load
+    s.add_request(lora_req("never", 1, range(5), 2))
+    s.add_request(lora_req("pinned_one", 3, range(5), 2))
+    step(s, w, Run())
+    ended = s.take_ended_outside()  # the engine core reports these with its next outputs
+    assert [(o.request_id, o.finish_reason) for o in ended] == [("never", "abort")]
+    assert len(drive(s, w).tokens["pinned_one"]) == 1  # its first token came with that step
 
 
 def _cached_tokens(s: Scheduler, w: FakeWorker, rid: str, lora: int | LoRARequest,
