@@ -107,7 +107,7 @@ def test_utility_calls_reach_every_replica(dp_llm) -> None:
     out = dp_llm.generate("The capital of France is", SamplingParams(max_tokens=4,
                                                                      temperature=0))
     assert out[0].outputs[0].text
-    with pytest.raises(RuntimeError, match="engine core 0: sleep"):
+    with pytest.raises(ValueError, match="engine core 0: sleep"):  # a bad value: ValueError
         dp_llm.engine.client.call("sleep", 3)  # a bad level: refused, the engine stays up
     with pytest.raises(ValueError, match="replicas \\[5\\]"):
         dp_llm.engine.client.call("is_sleeping", replicas=[5])
