@@ -214,6 +214,35 @@ def test_max_cpu_loras_evicts_the_least_recently_used(uni, loras, tiny_hf):
     assert uni.remove_lora(1) and not uni.remove_lora(1)
 
 
+def test_adapters_and_pins_survive_sleep_level_2(uni, loras, uni_mixed):
+    """Level 2 frees the weights, the adapters' slots with them; wake_up loads the adapters
+    the ranks held again, pins included."""
+    for lora_id in uni.list_loras():
+        uni.remove_lora(lora_id)
+    uni.add_lora(loras["A"])
+    uni.add_lora(loras["B"])
+    assert uni.pin_lora(2)
+    uni.collective_rpc(_mark_manager)
+    uni.sleep(2)
+    uni.wake_up()
+    assert uni.collective_rpc(_manager_marked) == [False]  # a new model, a new manager
+    assert uni.list_loras() == {1, 2}
+    got = _ids(uni.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            use_tqdm=False, lora_request=_mix(loras)))
+    assert got == uni_mixed
+    uni.add_lora(loras["C"])  # B still pinned: A goes
+    assert uni.list_loras() == {2, 3}
+    uni.remove_lora(2)
+
+
+def _mark_manager(worker) -> None:
+    worker.model_runner.loras.manager.marked_by_test = True
+
+
+def _manager_marked(worker) -> bool:
+    return hasattr(worker.model_runner.loras.manager, "marked_by_test")
+
+
 # ---- bad input ----
 def test_bad_adapters_fail_their_call_only(uni, loras, tmp_path, tiny_hf):
     bad = make_peft_adapter(tiny_hf, tmp_path / "r32", rank=32)
