@@ -134,6 +134,17 @@ def test_mixed_batch_equals_each_alone_and_peft(uni, loras, uni_mixed, tiny_hf):
     assert base[0] != uni_mixed[1] and base[1] != uni_mixed[2]  # A and B change the output
 
 
+def test_chat_takes_lora_request(uni, loras):
+    messages = [{"role": "user", "content": "hello there"}]
+    text = uni.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=False)
+    ids = uni.get_tokenizer().encode(text, add_special_tokens=False)
+    chat = _ids(uni.chat(messages, GREEDY, use_tqdm=False, lora_request=loras["B"]))
+    assert chat == _ids(uni.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False,
+                                     lora_request=loras["B"]))
+    assert chat != _ids(uni.chat(messages, GREEDY, use_tqdm=False))
+
+
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 3},
                                       {"pipeline_parallel_size": 2}], ids=["tp3", "pp2"])
 def test_mp_equals_uni_and_ranks_agree(tiny_dir, loras, uni_mixed, parallel):
