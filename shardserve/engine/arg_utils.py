@@ -37,7 +37,7 @@ from shardserve.config.lora import LoRAConfig
 from shardserve.engine.config_builder import engine_config_from_kwargs
 
 ENGINE_CONFIGS: tuple[type, ...] = (
-    EngineConfig,  # its own options only (speculative_config); the sub-configs follow
+    EngineConfig,  # its own options only (speculative_config, enable_lora); sub-configs follow
     ModelConfig,
     CacheConfig,
     ParallelConfig,
