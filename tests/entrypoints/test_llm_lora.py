@@ -164,6 +164,23 @@ def test_mp_equals_uni_and_ranks_agree(tiny_dir, loras, uni_mixed, parallel):
         llm.shutdown()
 
 
+def test_data_parallel_replicas_serve_adapters(tiny_dir, loras, uni_mixed):
+    """Two engine cores in processes of their own: each loads the adapters, a refusal comes
+    back over the wire as a ValueError, and the outputs equal uni's."""
+    llm = LLM(str(tiny_dir), data_parallel_size=2, **TINY)
+    try:
+        got = _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                use_tqdm=False, lora_request=_mix(loras)))
+        assert got == uni_mixed
+        assert llm.engine.client.call("list_loras") == [[1, 2], [1, 2]]
+        bad = LoRARequest("missing", 7, str(Path(loras["A"].lora_path).parent / "nowhere"))
+        with pytest.raises(ValueError, match="engine core 0: add_lora: LoRAError"):
+            llm.add_lora(bad)
+        assert llm.remove_lora(1) and llm.list_loras() == {2}
+    finally:
+        llm.shutdown()
+
+
 def _drop_on_rank_1(worker, lora_int_id: int) -> None:
     if worker.rank == 1:
         worker.remove_lora(lora_int_id)
