@@ -46,29 +46,39 @@ static void to_f32(float *dst, const void *row, int64_t n, int dtype) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
 }
 
-/* u[0..4) = rows a, a + K, a + 2K, a + 3K dotted with x: four independent sums, so the
- * vectorised loop is not bound by one accumulator's latency, and x is loaded once for four. */
-static void dot4_f32(float *u, const float *a, const float *x, int64_t K) {
+/* Element i of a weight row, f32 or bf16 (WD a constant at every call: no branch remains). */
+ALWAYS_INLINE float wload(int WD, const void *row, int64_t i) {
+    return WD == DT_F32 ? ((const float *)row)[i] : bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+/* u[0..4) = rows a, a + K, a + 2K, a + 3K (elements) dotted with x: four independent sums, so
+ * the vectorised loop is not bound by one accumulator's latency, and x is loaded once for four.
+ * Every row goes through the same code whatever the batch, so a token's sums do not depend on
+ * it. */
+ALWAYS_INLINE void dot4(int WD, float *u, const void *a, const float *x, int64_t K) {
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
     for (int64_t i = 0; i < K; i++) {
-        s0 += a[i] * x[i];
-        s1 += a[K + i] * x[i];
-        s2 += a[2 * K + i] * x[i];
-        s3 += a[3 * K + i] * x[i];
+        s0 += wload(WD, a, i) * x[i];
+        s1 += wload(WD, a, K + i) * x[i];
+        s2 += wload(WD, a, 2 * K + i) * x[i];
+        s3 += wload(WD, a, 3 * K + i) * x[i];
     }
     u[0] = s0, u[1] = s1, u[2] = s2, u[3] = s3;
 }
 
-static float dot_f32(const float *a, const float *x, int64_t n) {
+ALWAYS_INLINE float dot1(int WD, const void *a, const float *x, int64_t K) {
     float acc = 0.f;
-    for (int64_t i = 0; i < n; i++) acc += a[i] * x[i];
+    for (int64_t i = 0; i < K; i++) acc += wload(WD, a, i) * x[i];
     return acc;
 }
 
-static float dot_bf16(const uint16_t *a, const float *x, int64_t n) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(a[i]) * x[i];
-    return acc;
+/* u[0..R) = each of the R rows of a dotted with x. */
+ALWAYS_INLINE void dot_rows(int WD, float *u, const void *a, const float *x, int64_t K,
+                            int64_t R) {
+    const size_t ws = WD == DT_F32 ? 4 : 2;
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) dot4(WD, u + r, (const char *)a + (size_t)(r * K) * ws, x, K);
+    for (; r < R; r++) u[r] = dot1(WD, (const char *)a + (size_t)(r * K) * ws, x, K);
 }
 
 /* acc[0..n) += u * row[0..n) (row f32 or bf16). */
@@ -102,27 +112,26 @@ static void shrink(float *u, float *xf, const int64_t *order, int64_t n_tok, con
         float *xt = xf + (size_t)omp_get_thread_num() * (size_t)K;
         to_f32(xt, (const char *)x + (size_t)(t * x_stride) * es, K, dtype);
         const char *as = (const char *)a + (size_t)((int64_t)slots[t] * R * K) * ws;
-        int64_t r = 0;
         if (wdtype == DT_F32)
-            for (; r + 4 <= R; r += 4) dot4_f32(u + i * R + r, (const float *)as + r * K, xt, K);
-        for (; r < R; r++) {
-            const void *row = as + (size_t)(r * K) * ws;
-            u[i * R + r] = wdtype == DT_F32 ? dot_f32(row, xt, K) : dot_bf16(row, xt, K);
-        }
+            dot_rows(DT_F32, u + i * R, as, xt, K, R);
+        else
+            dot_rows(DT_BF16, u + i * R, as, xt, K, R);
     }
 }
 
 /* Columns the expand keeps in registers across its sum over r (8 AVX2 / 4 AVX-512 vectors). */
 #define LORA_REG_COLS 64
 
-/* acc[0..LORA_REG_COLS) += sum_r u[r] * rows[r * N ..] (f32 rows): acc stays in registers. */
-static inline void expand_block_f32(float *restrict acc, const float *u, const float *rows,
-                                    int64_t N, int64_t r0, int64_t r1) {
+/* acc[0..LORA_REG_COLS) += sum_r u[r] * rows[r * N ..]: acc stays in registers. */
+ALWAYS_INLINE void expand_block(int WD, float *restrict acc, const float *u, const void *rows,
+                                int64_t N, int64_t r0, int64_t r1) {
+    const size_t ws = WD == DT_F32 ? 4 : 2;
     float v[LORA_REG_COLS];
     for (int j = 0; j < LORA_REG_COLS; j++) v[j] = acc[j];
     for (int64_t r = r0; r < r1; r++) {
-        const float ur = u[r], *w = rows + r * N;
-        for (int j = 0; j < LORA_REG_COLS; j++) v[j] += ur * w[j];
+        const float ur = u[r];
+        const void *w = (const char *)rows + (size_t)(r * N) * ws;
+        for (int j = 0; j < LORA_REG_COLS; j++) v[j] += ur * wload(WD, w, j);
     }
     for (int j = 0; j < LORA_REG_COLS; j++) acc[j] = v[j];
 }
@@ -137,9 +146,13 @@ static void expand_chunk(void *out, int64_t out_stride, int dtype, int64_t t, co
     const int64_t len = n1 - n0;
     for (int64_t j = 0; j < len; j++) acc[j] = load_el(out, t * out_stride + n0 + j, dtype);
     int64_t j0 = 0;
-    if (wdtype == DT_F32)
-        for (; j0 + LORA_REG_COLS <= len; j0 += LORA_REG_COLS)
-            expand_block_f32(acc + j0, u, (const float *)bts + n0 + j0, N, r0, r1);
+    for (; j0 + LORA_REG_COLS <= len; j0 += LORA_REG_COLS) {
+        const char *rows = bts + (size_t)(n0 + j0) * ws;
+        if (wdtype == DT_F32)
+            expand_block(DT_F32, acc + j0, u, rows, N, r0, r1);
+        else
+            expand_block(DT_BF16, acc + j0, u, rows, N, r0, r1);
+    }
     for (int64_t r = r0; r < r1 && j0 < len; r++)
         axpy(acc + j0, u[r], bts + (size_t)(r * N + n0 + j0) * ws, len - j0, wdtype);
     if (dtype == DT_F32) {
