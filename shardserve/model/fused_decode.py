@@ -39,7 +39,7 @@ class _Matrix(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", _ptr), ("bt", _ptr), ("seg_ends", _ptr), ("slots", _i64), ("rank", _i64),
+    _fields_ = [("at", _ptr), ("bt", _ptr), ("seg_ends", _ptr), ("slots", _i64), ("rank", _i64),
                 ("nseg", _i64), ("wdtype", _i64)]
 
 
@@ -76,10 +76,10 @@ def _lora(layer: MatmulLayer) -> _Lora | None:
     w = getattr(layer, "lora", None)
     if w is None:
         return _Lora()
-    if w.dtype not in _DTYPES or w.a.device.type != "cpu":
+    if w.dtype not in _DTYPES or w.at.device.type != "cpu":
         return None
-    slots, rank, _ = w.a.shape
-    return _Lora(w.a.data_ptr(), w.bt.data_ptr(), w.seg_ends.data_ptr(), slots, rank,
+    slots, _, rank = w.at.shape
+    return _Lora(w.at.data_ptr(), w.bt.data_ptr(), w.seg_ends.data_ptr(), slots, rank,
                  w.seg_ends.numel(), _DTYPES[w.dtype])
 
 

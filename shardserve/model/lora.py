@@ -147,10 +147,11 @@ class LoRAWeights:
         self.out_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         device = layer.weight.device
         r_total = len(names) * max_rank
-        self.a = torch.zeros(max_loras, r_total, in_local, dtype=dtype, device=device)
-        # B is stored transposed, [S, R, N]: the C kernel's expand then reads rows of it with
-        # unit stride (csrc/lora_kernels.c); `b` is the [S, N, R] view the writers and the
-        # torch path use.
+        # A and B are stored transposed, [S, K, R] and [S, R, N]: the C kernel's products are
+        # then sums of weight rows with unit stride along the output (csrc/lora_kernels.c);
+        # `a` [S, R, K] and `b` [S, N, R] are the views the writers and the torch path use.
+        self.at = torch.zeros(max_loras, in_local, r_total, dtype=dtype, device=device)
+        self.a = self.at.transpose(1, 2)
         self.bt = torch.zeros(max_loras, r_total, sum(out_sizes), dtype=dtype, device=device)
         self.b = self.bt.transpose(1, 2)
         self.seg_ends = torch.tensor([o + n for o, n in zip(self.out_offsets, out_sizes,
@@ -198,7 +199,7 @@ class LoRAWeights:
                              f"got {x.shape[0]} rows: prepare() takes the step's token counts")
         if self._native(out, x):
             assert self.batch.slots is not None
-            native_kernels.lora_add_(out, x, self.batch.slots, self.a, self.bt, self.seg_ends)
+            native_kernels.lora_add_(out, x, self.batch.slots, self.at, self.bt, self.seg_ends)
             return out
         for slot, rows in self.batch.groups:
             xs = x[rows]

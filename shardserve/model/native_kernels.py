@@ -336,25 +336,25 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
     _check(rc, "apply_token_bitmask")
 
 
-def lora_add_(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+def lora_add_(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor,
               bt: torch.Tensor, seg_ends: torch.Tensor) -> None:
-    """In place: out[t] += bt[s].T @ (a[s] @ x[t]) for every token t whose slot s = slots[t] is
-    >= 0 (csrc/lora_kernels.c). out [T, N] and x [T, K] with unit column stride, slots int32
-    [T], a [S, R, K] and bt [S, R, N] contiguous, seg_ends int64 [nseg]: the merged parts'
-    output boundaries (part j takes rows j R/nseg .. of a and bt)."""
+    """In place: out[t] += bt[s].T @ (at[s].T @ x[t]) for every token t whose slot s = slots[t]
+    is >= 0 (csrc/lora_kernels.c). out [T, N] and x [T, K] with unit column stride, slots int32
+    [T], at [S, K, R] (A transposed) and bt [S, R, N] (B transposed) contiguous, seg_ends int64
+    [nseg]: the merged parts' output boundaries (part j takes rows j R/nseg .. of bt)."""
     t, n = out.shape
-    s, r, k = a.shape
+    s, k, r = at.shape
     if out.stride(1) != 1 or x.stride(1) != 1 or x.shape != (t, k) or \
-            not (a.is_contiguous() and bt.is_contiguous()) or bt.shape != (s, r, n) or \
-            slots.dtype != torch.int32 or a.dtype != bt.dtype or out.dtype != x.dtype:
+            not (at.is_contiguous() and bt.is_contiguous()) or bt.shape != (s, r, n) or \
+            slots.dtype != torch.int32 or at.dtype != bt.dtype or out.dtype != x.dtype:
         raise ValueError(f"lora_add_: out {tuple(out.shape)} {out.dtype}, x {tuple(x.shape)} "
-                         f"{x.dtype}, a {tuple(a.shape)} {a.dtype}, bt {tuple(bt.shape)}, "
+                         f"{x.dtype}, at {tuple(at.shape)} {at.dtype}, bt {tuple(bt.shape)}, "
                          f"slots {slots.dtype} do not fit")
     _check_int64(seg_ends=seg_ends)
     slots, seg_ends = slots.contiguous(), seg_ends.contiguous()
     rc = _lib().lora_add(out.data_ptr(), out.stride(0), _DTYPES[out.dtype], x.data_ptr(),
-                         x.stride(0), slots.data_ptr(), t, a.data_ptr(), bt.data_ptr(),
-                         _DTYPES[a.dtype], s, r, k, n, seg_ends.data_ptr(), seg_ends.numel(),
+                         x.stride(0), slots.data_ptr(), t, at.data_ptr(), bt.data_ptr(),
+                         _DTYPES[at.dtype], s, r, k, n, seg_ends.data_ptr(), seg_ends.numel(),
                          torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"lora_add_: segments {seg_ends.tolist()} do not split {n} outputs "

@@ -64,7 +64,7 @@ def test_matches_reference(kernels, case, dtype, wdtype):
     slots_t = torch.tensor(slots, dtype=torch.int32)
     want = _reference(out, x, slots_t, a, bt, seg_ends)
     got = out.clone()
-    nk.lora_add_(got, x, slots_t, a, bt, torch.tensor(seg_ends))
+    nk.lora_add_(got, x, slots_t, a.transpose(1, 2).contiguous(), bt, torch.tensor(seg_ends))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     if any(v >= 0 for v in slots):
@@ -79,21 +79,21 @@ def test_a_tokens_result_does_not_depend_on_its_batch(kernels):
     g = torch.Generator().manual_seed(3)
     k, n, rank = 576, 1536, 32
     x = torch.randn(33, k, generator=g)
-    a, bt = torch.randn(4, rank, k, generator=g), torch.randn(4, rank, n, generator=g)
+    at, bt = torch.randn(4, k, rank, generator=g), torch.randn(4, rank, n, generator=g)
     segs = torch.tensor([768, 1536])
     slots = (torch.arange(33) % 4).to(torch.int32)
     batch = torch.zeros(33, n)
-    nk.lora_add_(batch, x, slots, a, bt, segs)
+    nk.lora_add_(batch, x, slots, at, bt, segs)
     alone = torch.zeros(1, n)
-    nk.lora_add_(alone, x[:1], slots[:1], a, bt, segs)
+    nk.lora_add_(alone, x[:1], slots[:1], at, bt, segs)
     assert torch.equal(alone[0], batch[0])
 
 
 def test_refuses_bad_arguments(kernels):
     x, out = torch.zeros(2, 8), torch.zeros(2, 12)
-    a, bt = torch.zeros(1, 4, 8), torch.zeros(1, 4, 12)
+    at, bt = torch.zeros(1, 8, 4), torch.zeros(1, 4, 12)
     slots = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="segments"):
-        nk.lora_add_(out, x, slots, a, bt, torch.tensor([5, 12], dtype=torch.int64)[:1])
+        nk.lora_add_(out, x, slots, at, bt, torch.tensor([5, 12], dtype=torch.int64)[:1])
     with pytest.raises(ValueError, match="do not fit"):
-        nk.lora_add_(out, x, slots.long(), a, bt, torch.tensor([12]))
+        nk.lora_add_(out, x, slots.long(), at, bt, torch.tensor([12]))

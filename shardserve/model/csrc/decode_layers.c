@@ -39,9 +39,9 @@ typedef struct {
     int64_t type;
 } dl_matrix_t;
 
-/* One weight's adapter slots (lora_kernels.c's a, bt and segments); a == NULL: not adapted. */
+/* One weight's adapter slots (lora_kernels.c's at, bt and segments); at == NULL: not adapted. */
 typedef struct {
-    const void *a, *bt;
+    const void *at, *bt;
     const int64_t *seg_ends;
     int64_t slots, rank, nseg, wdtype;
 } dl_lora_t;
@@ -71,8 +71,8 @@ typedef struct {
 /* out [B, N] += the adapters' share of x [B, K] through l (nothing without adapters). */
 static int add_lora(const dl_lora_t *l, const dl_step_t *s, void *out, int64_t N, const void *x,
                     int64_t K) {
-    if (s->lora_slots == NULL || l->a == NULL) return 0;
-    return lora_add(out, N, s->dtype, x, K, s->lora_slots, s->B, l->a, l->bt, (int)l->wdtype,
+    if (s->lora_slots == NULL || l->at == NULL) return 0;
+    return lora_add(out, N, s->dtype, x, K, s->lora_slots, s->B, l->at, l->bt, (int)l->wdtype,
                     l->slots, l->rank, K, N, l->seg_ends, l->nseg, s->num_threads);
 }
 

@@ -55,7 +55,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
 
 /* lora_kernels.c */
 int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_stride,
-             const int32_t *slots, int64_t T, const void *a, const void *bt, int wdtype,
+             const int32_t *slots, int64_t T, const void *at, const void *bt, int wdtype,
              int64_t S, int64_t R, int64_t K, int64_t N, const int64_t *seg_ends, int64_t nseg,
              int num_threads);
 

@@ -4,22 +4,24 @@
  * grouped by slot (shardserve/model/lora.py; the fused decode step calls it too).
  *
  *   for every token t with slot s = slots[t] >= 0:
- *       u[r]       = sum_k a[s, r, k] * x[t, k]                       r < R   (shrink)
+ *       u[r]       = sum_k at[s, k, r] * x[t, k]                      r < R   (shrink)
  *       out[t, n] += sum_{r in seg(n)} u[r] * bt[s, r, n]             n < N   (expand)
  *
  * Layouts (row-major, `wdtype` f32 or bf16; x and out in `dtype`, rows x_stride / out_stride
  * elements apart):
- *   a  [S, R, K]   A of every slot; a merged layer (q|k|v, gate|up) stacks its parts' A along R
- *   bt [S, R, N]   B transposed, the scaling folded in: the expand is then a sum of rows of
- *                  bt, unit stride along n, which vectorises (B's own [N, R] would make it a
- *                  dot product of length R per output, a horizontal sum each)
+ *   at [S, K, R]   A transposed, of every slot; a merged layer (q|k|v, gate|up) stacks its
+ *                  parts' A along R
+ *   bt [S, R, N]   B transposed, the scaling folded in
  *   seg_ends [nseg] output boundaries of a merged layer's parts: part j covers
  *                  n in [seg_ends[j-1], seg_ends[j]) and r in [j R/nseg, (j+1) R/nseg), so the
  *                  zero blocks of the block-diagonal B are skipped (nseg 1: one part).
  *
- * Tokens are visited in slot order (a counting sort), so each slot's A and B are read while they
- * are in cache for all its tokens. float32 accumulation throughout; the order of the sums is
- * fixed by the shapes alone, so a token's result does not depend on its batch.
+ * Both products are then sums of weight rows scaled by one number each (a row of at by x[t, k],
+ * a row of bt by u[r]): unit stride along the output, vectorised along it, no horizontal sums.
+ * Tokens are visited in slot order (a counting sort) in runs of up to LORA_TOKENS of one slot,
+ * and each weight element loaded serves the whole run. Every output element is one float32 sum
+ * in the order of its index (k, or r), whatever else shares the run: a token's result does not
+ * depend on its batch.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -27,13 +29,31 @@
 
 #include "kernels_common.h"
 
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX2__)
+/* GCC 12's loop vectorizer at the SSE4 level (the portable x86-64-v2 build) gives wrong sums in
+ * rows_times for runs of two or more tokens (tests/model/test_lora_kernels.py; right at -O1,
+ * with the sanitizers, at x86-64-v3 and v4, and without loop vectorisation): off here. */
+#pragma GCC optimize("no-tree-loop-vectorize")
+#endif
+
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define LORA_PARALLEL_MIN (1 << 18)
 /* Output columns per unit of parallel work in the expand. */
 #define LORA_CHUNK 256
+/* Tokens of one slot that share each weight load; output columns held in registers per token
+ * (LORA_TOKENS x LORA_COLS floats: 8 AVX-512 or 16 AVX2 registers). */
+#define LORA_TOKENS 4
+#define LORA_COLS 32
+/* Bytes ahead of each weight row read that rows_times prefetches. */
+#define LORA_PREFETCH 256
 
-static inline float load_el(const void *p, int64_t i, int dtype) {
-    return dtype == DT_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+/* f32_to_bf16 (round to nearest even, NaN kept quiet) without a branch, so that a loop of it
+ * vectorises: the outputs of a bfloat16 model are converted back a whole chunk at a time. */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 /* dst[0..n) = row (f32 or bf16) as float32. */
@@ -46,50 +66,67 @@ static void to_f32(float *dst, const void *row, int64_t n, int dtype) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
 }
 
+/* row[0..n) (f32 or bf16) = src. */
+static void from_f32(void *row, const float *src, int64_t n, int dtype) {
+    if (dtype == DT_F32) {
+        memcpy(row, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = row;
+    for (int64_t i = 0; i < n; i++) h[i] = round_bf16(src[i]);
+}
+
 /* Element i of a weight row, f32 or bf16 (WD a constant at every call: no branch remains). */
-ALWAYS_INLINE float wload(int WD, const void *row, int64_t i) {
-    return WD == DT_F32 ? ((const float *)row)[i] : bf16_to_f32(((const uint16_t *)row)[i]);
+ALWAYS_INLINE float wload(int WD, const void *w, int64_t i) {
+    return WD == DT_F32 ? ((const float *)w)[i] : bf16_to_f32(((const uint16_t *)w)[i]);
 }
 
-/* u[0..4) = rows a, a + K, a + 2K, a + 3K (elements) dotted with x: four independent sums, so
- * the vectorised loop is not bound by one accumulator's latency, and x is loaded once for four.
- * Every row goes through the same code whatever the batch, so a token's sums do not depend on
- * it. */
-ALWAYS_INLINE void dot4(int WD, float *u, const void *a, const float *x, int64_t K) {
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-    for (int64_t i = 0; i < K; i++) {
-        s0 += wload(WD, a, i) * x[i];
-        s1 += wload(WD, a, K + i) * x[i];
-        s2 += wload(WD, a, 2 * K + i) * x[i];
-        s3 += wload(WD, a, 3 * K + i) * x[i];
-    }
-    u[0] = s0, u[1] = s1, u[2] = s2, u[3] = s3;
-}
-
-ALWAYS_INLINE float dot1(int WD, const void *a, const float *x, int64_t K) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < K; i++) acc += wload(WD, a, i) * x[i];
-    return acc;
-}
-
-/* u[0..R) = each of the R rows of a dotted with x. */
-ALWAYS_INLINE void dot_rows(int WD, float *u, const void *a, const float *x, int64_t K,
-                            int64_t R) {
+/*
+ * acc[t][0..NC) += sum_{i < n} coef[t][i] * w[i * ld .. + NC), for NT tokens: the one step both
+ * products are made of (shrink: w = at's rows k, coef = x; expand: w = bt's rows r, coef = u).
+ * coef[t] is coef + t * coef_ld. NT and NC are constants at each call: acc lives in registers.
+ */
+ALWAYS_INLINE void rows_times(int WD, int NT, int NC, float acc[LORA_TOKENS][LORA_COLS],
+                              const float *coef, int64_t coef_ld, const void *w, int64_t ld,
+                              int64_t n) {
     const size_t ws = WD == DT_F32 ? 4 : 2;
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) dot4(WD, u + r, (const char *)a + (size_t)(r * K) * ws, x, K);
-    for (; r < R; r++) u[r] = dot1(WD, (const char *)a + (size_t)(r * K) * ws, x, K);
+    float v[LORA_TOKENS][LORA_COLS];  /* a local copy: the compiler keeps it in registers */
+    for (int t = 0; t < NT; t++)
+        for (int j = 0; j < NC; j++) v[t][j] = acc[t][j];
+    for (int64_t i = 0; i < n; i++) {
+        const void *row = (const char *)w + (size_t)(i * ld) * ws;
+        /* The expand reads R rows ld apart, more streams than the hardware prefetcher follows:
+         * ask for this row's next columns now (the next call's block, or the next k rows). */
+        __builtin_prefetch((const char *)row + LORA_PREFETCH, 0, 3);
+        float c[LORA_TOKENS];
+        for (int t = 0; t < NT; t++) c[t] = coef[t * coef_ld + i];
+        for (int j = 0; j < NC; j++) {
+            const float wj = wload(WD, row, j);
+            for (int t = 0; t < NT; t++) v[t][j] += c[t] * wj;
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int j = 0; j < NC; j++) acc[t][j] = v[t][j];
 }
 
-/* acc[0..n) += u * row[0..n) (row f32 or bf16). */
-static void axpy(float *acc, float u, const void *row, int64_t n, int wdtype) {
-    if (wdtype == DT_F32) {
-        const float *w = row;
-        for (int64_t i = 0; i < n; i++) acc[i] += u * w[i];
-    } else {
-        const uint16_t *w = row;
-        for (int64_t i = 0; i < n; i++) acc[i] += u * bf16_to_f32(w[i]);
-    }
+/* rows_times with NT and NC constants (NC = LORA_COLS, 16 or 8: adapter ranks; else one column
+ * at a time, for the few left at an edge). */
+static void rows_times_any(int wdtype, int nt, int nc, float acc[LORA_TOKENS][LORA_COLS],
+                           const float *coef, int64_t coef_ld, const void *w, int64_t ld,
+                           int64_t n) {
+#define RT(WD, T)                                                                          \
+    do {                                                                                   \
+        if (nc == LORA_COLS) rows_times(WD, T, LORA_COLS, acc, coef, coef_ld, w, ld, n);   \
+        else if (nc == 16) rows_times(WD, T, 16, acc, coef, coef_ld, w, ld, n);            \
+        else if (nc == 8) rows_times(WD, T, 8, acc, coef, coef_ld, w, ld, n);              \
+        else for (int c = 0; c < nc; c++)                                                  \
+            rows_times(WD, T, 1, (float(*)[LORA_COLS])((float *)acc + c), coef, coef_ld,   \
+                       (const char *)w + (size_t)c * (WD == DT_F32 ? 4 : 2), ld, n);       \
+    } while (0)
+#define RT_T(T) case T: if (wdtype == DT_F32) RT(DT_F32, T); else RT(DT_BF16, T); break;
+    switch (nt) { RT_T(1) RT_T(2) RT_T(3) RT_T(4) default: break; }
+#undef RT_T
+#undef RT
 }
 
 /* The adapted tokens in slot order; returns how many (tokens with slot < 0 are left out). */
@@ -101,88 +138,83 @@ static int64_t order_by_slot(const int32_t *slots, int64_t T, int64_t S, int64_t
     return count;
 }
 
-/* xf: `threads` scratch rows of K floats (x's row as float32). */
-static void shrink(float *u, float *xf, const int64_t *order, int64_t n_tok, const int32_t *slots,
-                   const void *x, int64_t x_stride, int dtype, const void *a, int wdtype,
-                   int64_t R, int64_t K, int threads) {
-    const size_t es = dtype == DT_F32 ? 4 : 2, ws = wdtype == DT_F32 ? 4 : 2;
+/* The runs of at most LORA_TOKENS consecutive tokens (in slot order) of one slot: run j is
+ * order[start[j] .. start[j + 1]). Returns how many. */
+static int64_t token_runs(const int64_t *order, int64_t n_tok, const int32_t *slots,
+                          int64_t *start) {
+    int64_t runs = 0;
+    for (int64_t i = 0; i < n_tok; runs++) {
+        start[runs] = i;
+        const int32_t s = slots[order[i]];
+        for (int n = 0; i < n_tok && n < LORA_TOKENS && slots[order[i]] == s; n++) i++;
+    }
+    start[runs] = n_tok;
+    return runs;
+}
+
+typedef struct {
+    const int64_t *order, *run_start;
+    int64_t n_tok, runs;
+    const int32_t *slots;
+    int wdtype;
+} lora_batch_t;
+
+/* u [n_tok, R] (rows in slot order) = xf [n_tok, K] (float32) times each token's slot's at. */
+static void shrink(const lora_batch_t *b, float *u, const float *xf, const void *at, int64_t R,
+                   int64_t K, int threads) {
+    const size_t ws = b->wdtype == DT_F32 ? 4 : 2;
+    const int64_t col_blocks = (R + LORA_COLS - 1) / LORA_COLS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_tok; i++) {
-        const int64_t t = order[i];
-        float *xt = xf + (size_t)omp_get_thread_num() * (size_t)K;
-        to_f32(xt, (const char *)x + (size_t)(t * x_stride) * es, K, dtype);
-        const char *as = (const char *)a + (size_t)((int64_t)slots[t] * R * K) * ws;
-        if (wdtype == DT_F32)
-            dot_rows(DT_F32, u + i * R, as, xt, K, R);
-        else
-            dot_rows(DT_BF16, u + i * R, as, xt, K, R);
+    for (int64_t w = 0; w < b->runs * col_blocks; w++) {
+        const int64_t j = w / col_blocks, r0 = (w % col_blocks) * LORA_COLS;
+        const int64_t i0 = b->run_start[j];
+        const int nt = (int)(b->run_start[j + 1] - i0);
+        const int nc = (int)(R - r0 < LORA_COLS ? R - r0 : LORA_COLS);
+        const char *w0 = (const char *)at + (size_t)((int64_t)b->slots[b->order[i0]] * K * R + r0) * ws;
+        float acc[LORA_TOKENS][LORA_COLS] = {{0.f}};
+        rows_times_any(b->wdtype, nt, nc, acc, xf + i0 * K, K, w0, R, K);
+        for (int t = 0; t < nt; t++) memcpy(u + (i0 + t) * R + r0, acc[t], sizeof(float) * nc);
     }
 }
 
-/* Columns the expand keeps in registers across its sum over r (8 AVX2 / 4 AVX-512 vectors). */
-#define LORA_REG_COLS 64
-
-/* acc[0..LORA_REG_COLS) += sum_r u[r] * rows[r * N ..]: acc stays in registers. */
-ALWAYS_INLINE void expand_block(int WD, float *restrict acc, const float *u, const void *rows,
-                                int64_t N, int64_t r0, int64_t r1) {
-    const size_t ws = WD == DT_F32 ? 4 : 2;
-    float v[LORA_REG_COLS];
-    for (int j = 0; j < LORA_REG_COLS; j++) v[j] = acc[j];
-    for (int64_t r = r0; r < r1; r++) {
-        const float ur = u[r];
-        const void *w = (const char *)rows + (size_t)(r * N) * ws;
-        for (int j = 0; j < LORA_REG_COLS; j++) v[j] += ur * wload(WD, w, j);
-    }
-    for (int j = 0; j < LORA_REG_COLS; j++) acc[j] = v[j];
-}
-
-/* out[t, n0..n1) += the expand of one token (u: its shrink), for the part whose r range is
- * [r0, r1); bts: its slot's bt. */
-static void expand_chunk(void *out, int64_t out_stride, int dtype, int64_t t, const float *u,
-                         const char *bts, int wdtype, int64_t N, int64_t n0, int64_t n1,
-                         int64_t r0, int64_t r1) {
-    const size_t ws = wdtype == DT_F32 ? 4 : 2;
-    float acc[LORA_CHUNK];
-    const int64_t len = n1 - n0;
-    for (int64_t j = 0; j < len; j++) acc[j] = load_el(out, t * out_stride + n0 + j, dtype);
-    int64_t j0 = 0;
-    for (; j0 + LORA_REG_COLS <= len; j0 += LORA_REG_COLS) {
-        const char *rows = bts + (size_t)(n0 + j0) * ws;
-        if (wdtype == DT_F32)
-            expand_block(DT_F32, acc + j0, u, rows, N, r0, r1);
-        else
-            expand_block(DT_BF16, acc + j0, u, rows, N, r0, r1);
-    }
-    for (int64_t r = r0; r < r1 && j0 < len; r++)
-        axpy(acc + j0, u[r], bts + (size_t)(r * N + n0 + j0) * ws, len - j0, wdtype);
-    if (dtype == DT_F32) {
-        memcpy((float *)out + t * out_stride + n0, acc, sizeof(float) * (size_t)len);
-    } else {
-        uint16_t *o = (uint16_t *)out + t * out_stride + n0;
-        for (int64_t j = 0; j < len; j++) o[j] = f32_to_bf16(acc[j]);
+/* out[t, n0..n1) += the expand of run j's tokens, for the part whose r range is [r0, r1). */
+static void expand_run(const lora_batch_t *b, int64_t j, void *out, int64_t out_stride,
+                       int dtype, const float *u, const void *bt, int64_t R, int64_t N,
+                       int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+    const size_t ws = b->wdtype == DT_F32 ? 4 : 2, es = dtype == DT_F32 ? 4 : 2;
+    const int64_t i0 = b->run_start[j];
+    const int nt = (int)(b->run_start[j + 1] - i0);
+    const char *bts = (const char *)bt + (size_t)((int64_t)b->slots[b->order[i0]] * R * N) * ws;
+    for (int64_t c0 = n0; c0 < n1; c0 += LORA_COLS) {
+        const int nc = (int)(n1 - c0 < LORA_COLS ? n1 - c0 : LORA_COLS);
+        float acc[LORA_TOKENS][LORA_COLS];
+        for (int t = 0; t < nt; t++)
+            to_f32(acc[t], (const char *)out + (size_t)(b->order[i0 + t] * out_stride + c0) * es,
+                   nc, dtype);
+        rows_times_any(b->wdtype, nt, nc, acc, u + i0 * R + r0, R,
+                       bts + (size_t)(r0 * N + c0) * ws, N, r1 - r0);
+        for (int t = 0; t < nt; t++)
+            from_f32((char *)out + (size_t)(b->order[i0 + t] * out_stride + c0) * es, acc[t], nc,
+                     dtype);
     }
 }
 
-static void expand(void *out, int64_t out_stride, int dtype, const int64_t *order, int64_t n_tok,
-                   const int32_t *slots, const float *u, const void *bt, int wdtype, int64_t R,
-                   int64_t N, const int64_t *seg_ends, int64_t nseg, int threads) {
-    const size_t ws = wdtype == DT_F32 ? 4 : 2;
+static void expand(const lora_batch_t *b, void *out, int64_t out_stride, int dtype,
+                   const float *u, const void *bt, int64_t R, int64_t N, const int64_t *seg_ends,
+                   int64_t nseg, int threads) {
     const int64_t chunks = (N + LORA_CHUNK - 1) / LORA_CHUNK, part_r = R / nseg;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t c0 = c * LORA_CHUNK, c1 = c0 + LORA_CHUNK < N ? c0 + LORA_CHUNK : N;
         int64_t seg_start = 0;
-        for (int64_t j = 0; j < nseg; j++) {  /* the parts this chunk overlaps */
+        for (int64_t p = 0; p < nseg; p++) {  /* the parts this chunk overlaps */
             const int64_t n0 = c0 > seg_start ? c0 : seg_start;
-            const int64_t n1 = c1 < seg_ends[j] ? c1 : seg_ends[j];
-            seg_start = seg_ends[j];
+            const int64_t n1 = c1 < seg_ends[p] ? c1 : seg_ends[p];
+            seg_start = seg_ends[p];
             if (n0 >= n1) continue;
-            for (int64_t i = 0; i < n_tok; i++) {
-                const int64_t t = order[i];
-                const char *bts = (const char *)bt + (size_t)((int64_t)slots[t] * R * N) * ws;
-                expand_chunk(out, out_stride, dtype, t, u + i * R, bts, wdtype, N, n0, n1,
-                             j * part_r, (j + 1) * part_r);
-            }
+            for (int64_t j = 0; j < b->runs; j++)
+                expand_run(b, j, out, out_stride, dtype, u, bt, R, N, n0, n1, p * part_r,
+                           (p + 1) * part_r);
         }
     }
 }
@@ -192,29 +224,31 @@ static void expand(void *out, int64_t out_stride, int dtype, const int64_t *orde
  * without an adapter, else < S. Returns 0, -1 when out of memory, -2 for bad segments.
  */
 int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_stride,
-             const int32_t *slots, int64_t T, const void *a, const void *bt, int wdtype,
+             const int32_t *slots, int64_t T, const void *at, const void *bt, int wdtype,
              int64_t S, int64_t R, int64_t K, int64_t N, const int64_t *seg_ends, int64_t nseg,
              int num_threads) {
     if (nseg < 1 || R % nseg || seg_ends[nseg - 1] != N) return -2;
     const int64_t rows = T > 0 ? T : 1;
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)rows);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(2 * rows + 1));
     float *u = malloc(sizeof(float) * (size_t)(rows * R));
-    float *xf = malloc(sizeof(float) * (size_t)(num_threads > 0 ? num_threads : 1) * (size_t)K);
-    if (order == NULL || u == NULL || xf == NULL) {
-        free(order);
-        free(u);
-        free(xf);
-        return -1;
+    float *xf = malloc(sizeof(float) * (size_t)(rows * K));
+    int rc = -1;
+    if (order == NULL || u == NULL || xf == NULL) goto done;
+    lora_batch_t b = {order, order + rows, 0, 0, slots, wdtype};
+    b.n_tok = order_by_slot(slots, T, S, order);
+    b.runs = token_runs(order, b.n_tok, slots, order + rows);
+    const size_t es = dtype == DT_F32 ? 4 : 2;
+    for (int64_t i = 0; i < b.n_tok; i++)
+        to_f32(xf + i * K, (const char *)x + (size_t)(order[i] * x_stride) * es, K, dtype);
+    const int threads = b.n_tok * R * (K + N / nseg) >= LORA_PARALLEL_MIN ? num_threads : 1;
+    if (b.n_tok > 0) {
+        shrink(&b, u, xf, at, R, K, threads);
+        expand(&b, out, out_stride, dtype, u, bt, R, N, seg_ends, nseg, threads);
     }
-    const int64_t n_tok = order_by_slot(slots, T, S, order);
-    const int threads = n_tok * R * (K + N / nseg) >= LORA_PARALLEL_MIN ? num_threads : 1;
-    if (n_tok > 0) {
-        shrink(u, xf, order, n_tok, slots, x, x_stride, dtype, a, wdtype, R, K, threads);
-        expand(out, out_stride, dtype, order, n_tok, slots, u, bt, wdtype, R, N, seg_ends, nseg,
-               threads);
-    }
-    free(u);
+    rc = 0;
+done:
     free(order);
+    free(u);
     free(xf);
-    return 0;
+    return rc;
 }
