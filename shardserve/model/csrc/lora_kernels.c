@@ -37,15 +37,17 @@
 #endif
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
-#define LORA_PARALLEL_MIN (1 << 18)
+#define LORA_PARALLEL_MIN (1 << 14)
 /* Output columns per unit of parallel work in the expand. */
 #define LORA_CHUNK 256
 /* Tokens of one slot that share each weight load; output columns held in registers per token
  * (LORA_TOKENS x LORA_COLS floats: 8 AVX-512 or 16 AVX2 registers). */
-#define LORA_TOKENS 4
+#define LORA_TOKENS 8
 #define LORA_COLS 32
 /* Bytes ahead of each weight row read that rows_times prefetches. */
 #define LORA_PREFETCH 256
+/* Pieces of the shrink's k range (see shrink). */
+#define LORA_KSPLIT 2
 
 /* f32_to_bf16 (round to nearest even, NaN kept quiet) without a branch, so that a loop of it
  * vectorises: the outputs of a bfloat16 model are converted back a whole chunk at a time. */
@@ -124,7 +126,7 @@ static void rows_times_any(int wdtype, int nt, int nc, float acc[LORA_TOKENS][LO
                        (const char *)w + (size_t)c * (WD == DT_F32 ? 4 : 2), ld, n);       \
     } while (0)
 #define RT_T(T) case T: if (wdtype == DT_F32) RT(DT_F32, T); else RT(DT_BF16, T); break;
-    switch (nt) { RT_T(1) RT_T(2) RT_T(3) RT_T(4) default: break; }
+    switch (nt) { RT_T(1) RT_T(2) RT_T(3) RT_T(4) RT_T(5) RT_T(6) RT_T(7) RT_T(8) default: break; }
 #undef RT_T
 #undef RT
 }
@@ -159,21 +161,31 @@ typedef struct {
     int wdtype;
 } lora_batch_t;
 
-/* u [n_tok, R] (rows in slot order) = xf [n_tok, K] (float32) times each token's slot's at. */
-static void shrink(const lora_batch_t *b, float *u, const float *xf, const void *at, int64_t R,
-                   int64_t K, int threads) {
+/* u [n_tok, R] (rows in slot order) = xf [n_tok, K] (float32) times each token's slot's at.
+ * The k range is always cut in LORA_KSPLIT fixed pieces (summed in order at the end), so one
+ * token's shrink still gives every thread work, and the sums do not depend on the batch. */
+static void shrink(const lora_batch_t *b, float *u, float *parts, const float *xf,
+                   const void *at, int64_t R, int64_t K, int threads) {
     const size_t ws = b->wdtype == DT_F32 ? 4 : 2;
-    const int64_t col_blocks = (R + LORA_COLS - 1) / LORA_COLS;
+    const int64_t col_blocks = (R + LORA_COLS - 1) / LORA_COLS, items = col_blocks * LORA_KSPLIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t w = 0; w < b->runs * col_blocks; w++) {
-        const int64_t j = w / col_blocks, r0 = (w % col_blocks) * LORA_COLS;
+    for (int64_t w = 0; w < b->runs * items; w++) {
+        const int64_t j = w / items, r0 = (w % items / LORA_KSPLIT) * LORA_COLS;
+        const int64_t h = w % LORA_KSPLIT, k0 = K * h / LORA_KSPLIT, k1 = K * (h + 1) / LORA_KSPLIT;
         const int64_t i0 = b->run_start[j];
         const int nt = (int)(b->run_start[j + 1] - i0);
         const int nc = (int)(R - r0 < LORA_COLS ? R - r0 : LORA_COLS);
-        const char *w0 = (const char *)at + (size_t)((int64_t)b->slots[b->order[i0]] * K * R + r0) * ws;
+        const int64_t slot = b->slots[b->order[i0]];
+        const char *w0 = (const char *)at + (size_t)((slot * K + k0) * R + r0) * ws;
         float acc[LORA_TOKENS][LORA_COLS] = {{0.f}};
-        rows_times_any(b->wdtype, nt, nc, acc, xf + i0 * K, K, w0, R, K);
-        for (int t = 0; t < nt; t++) memcpy(u + (i0 + t) * R + r0, acc[t], sizeof(float) * nc);
+        rows_times_any(b->wdtype, nt, nc, acc, xf + i0 * K + k0, K, w0, R, k1 - k0);
+        float *dst = parts + h * b->n_tok * R;
+        for (int t = 0; t < nt; t++) memcpy(dst + (i0 + t) * R + r0, acc[t], sizeof(float) * nc);
+    }
+    for (int64_t i = 0; i < b->n_tok * R; i++) {
+        float sum = parts[i];
+        for (int h = 1; h < LORA_KSPLIT; h++) sum += parts[h * b->n_tok * R + i];
+        u[i] = sum;
     }
 }
 
@@ -230,7 +242,7 @@ int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_
     if (nseg < 1 || R % nseg || seg_ends[nseg - 1] != N) return -2;
     const int64_t rows = T > 0 ? T : 1;
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(2 * rows + 1));
-    float *u = malloc(sizeof(float) * (size_t)(rows * R));
+    float *u = malloc(sizeof(float) * (size_t)((1 + LORA_KSPLIT) * rows * R));
     float *xf = malloc(sizeof(float) * (size_t)(rows * K));
     int rc = -1;
     if (order == NULL || u == NULL || xf == NULL) goto done;
@@ -242,7 +254,7 @@ int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_
         to_f32(xf + i * K, (const char *)x + (size_t)(order[i] * x_stride) * es, K, dtype);
     const int threads = b.n_tok * R * (K + N / nseg) >= LORA_PARALLEL_MIN ? num_threads : 1;
     if (b.n_tok > 0) {
-        shrink(&b, u, xf, at, R, K, threads);
+        shrink(&b, u, u + rows * R, xf, at, R, K, threads);
         expand(&b, out, out_stride, dtype, u, bt, R, N, seg_ends, nseg, threads);
     }
     rc = 0;
