@@ -38,8 +38,9 @@
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define LORA_PARALLEL_MIN (1 << 14)
-/* Output columns per unit of parallel work in the expand. */
-#define LORA_CHUNK 256
+/* Units of parallel work in the expand per thread (output column ranges, whole register
+ * blocks): several each, so that a few hundred columns still split evenly. */
+#define LORA_CHUNKS_PER_THREAD 4
 /* Tokens of one slot that share each weight load; output columns held in registers per token
  * (LORA_TOKENS x LORA_COLS floats: 8 AVX-512 or 16 AVX2 registers). */
 #define LORA_TOKENS 8
@@ -88,27 +89,56 @@ ALWAYS_INLINE float wload(int WD, const void *w, int64_t i) {
  * products are made of (shrink: w = at's rows k, coef = x; expand: w = bt's rows r, coef = u).
  * coef[t] is coef + t * coef_ld. NT and NC are constants at each call: acc lives in registers.
  */
+/* Eight floats, and eight bfloat16s, as GCC/clang vector types: the compiler maps them onto
+ * whatever the build has (AVX-512, AVX2, SSE pairs) and keeps an array of them indexed by
+ * constants in registers, which a plain float array of this size is not. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+
+/* Weights row[8q .. 8q + 8) as float32. */
+ALWAYS_INLINE vf8 wload8(int WD, const void *row, int q) {
+    vf8 out;
+    if (WD == DT_F32) {
+        memcpy(&out, (const float *)row + 8 * q, sizeof out);
+    } else {
+        vh8 h;
+        memcpy(&h, (const uint16_t *)row + 8 * q, sizeof h);
+        const vu8 wide = __builtin_convertvector(h, vu8) << 16;
+        memcpy(&out, &wide, sizeof out);
+    }
+    return out;
+}
+
 ALWAYS_INLINE void rows_times(int WD, int NT, int NC, float acc[LORA_TOKENS][LORA_COLS],
                               const float *coef, int64_t coef_ld, const void *w, int64_t ld,
                               int64_t n) {
     const size_t ws = WD == DT_F32 ? 4 : 2;
-    float v[LORA_TOKENS][LORA_COLS];  /* a local copy: the compiler keeps it in registers */
+    if (NC % 8) {  /* the one-column edge case: plain floats */
+        for (int64_t i = 0; i < n; i++) {
+            const void *row = (const char *)w + (size_t)(i * ld) * ws;
+            for (int t = 0; t < NT; t++)
+                for (int j = 0; j < NC; j++) acc[t][j] += coef[t * coef_ld + i] * wload(WD, row, j);
+        }
+        return;
+    }
+    vf8 v[LORA_TOKENS][LORA_COLS / 8];
     for (int t = 0; t < NT; t++)
-        for (int j = 0; j < NC; j++) v[t][j] = acc[t][j];
+        for (int q = 0; q < NC / 8; q++) memcpy(&v[t][q], &acc[t][8 * q], sizeof(vf8));
     for (int64_t i = 0; i < n; i++) {
         const void *row = (const char *)w + (size_t)(i * ld) * ws;
         /* The expand reads R rows ld apart, more streams than the hardware prefetcher follows:
          * ask for this row's next columns now (the next call's block, or the next k rows). */
         __builtin_prefetch((const char *)row + LORA_PREFETCH, 0, 3);
-        float c[LORA_TOKENS];
-        for (int t = 0; t < NT; t++) c[t] = coef[t * coef_ld + i];
-        for (int j = 0; j < NC; j++) {
-            const float wj = wload(WD, row, j);
-            for (int t = 0; t < NT; t++) v[t][j] += c[t] * wj;
+        vf8 wq[LORA_COLS / 8];
+        for (int q = 0; q < NC / 8; q++) wq[q] = wload8(WD, row, q);
+        for (int t = 0; t < NT; t++) {
+            const float c = coef[t * coef_ld + i];
+            for (int q = 0; q < NC / 8; q++) v[t][q] += c * wq[q];
         }
     }
     for (int t = 0; t < NT; t++)
-        for (int j = 0; j < NC; j++) acc[t][j] = v[t][j];
+        for (int q = 0; q < NC / 8; q++) memcpy(&acc[t][8 * q], &v[t][q], sizeof(vf8));
 }
 
 /* rows_times with NT and NC constants (NC = LORA_COLS, 16 or 8: adapter ranks; else one column
@@ -214,10 +244,12 @@ static void expand_run(const lora_batch_t *b, int64_t j, void *out, int64_t out_
 static void expand(const lora_batch_t *b, void *out, int64_t out_stride, int dtype,
                    const float *u, const void *bt, int64_t R, int64_t N, const int64_t *seg_ends,
                    int64_t nseg, int threads) {
-    const int64_t chunks = (N + LORA_CHUNK - 1) / LORA_CHUNK, part_r = R / nseg;
+    const int64_t part_r = R / nseg, want = (int64_t)LORA_CHUNKS_PER_THREAD * threads;
+    const int64_t width = ((N + want - 1) / want + LORA_COLS - 1) / LORA_COLS * LORA_COLS;
+    const int64_t chunks = (N + width - 1) / width;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
-        const int64_t c0 = c * LORA_CHUNK, c1 = c0 + LORA_CHUNK < N ? c0 + LORA_CHUNK : N;
+        const int64_t c0 = c * width, c1 = c0 + width < N ? c0 + width : N;
         int64_t seg_start = 0;
         for (int64_t p = 0; p < nseg; p++) {  /* the parts this chunk overlaps */
             const int64_t n0 = c0 > seg_start ? c0 : seg_start;
