@@ -85,7 +85,7 @@ def main() -> None:
     base = LLM(dtype=args.dtype, max_model_len=512)
     lora = LLM(dtype=args.dtype, max_model_len=512, enable_lora=True,
                max_loras=args.adapters, max_lora_rank=args.rank)
-    arch = lora.llm_engine.config.model_config.arch
+    arch = lora.config.model_config.arch
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp / f"a{i}", arch, args.rank,
                                                               seed=i)))
