@@ -67,6 +67,7 @@ class Executor(ABC):
         self.is_failed = False
         self._failure_callback: FailureCallback | None = None
         self._death: str | None = None  # why the executor failed, once it has
+        self._death_exc: BaseException | None = None  # chained to the EngineDeadError
         self._shut_down = False
         self._shutdown_lock = threading.Lock()  # a concurrent shutdown waits for the first
         # Serialises failure marking: the callback must have run before any thread can see
@@ -220,8 +221,9 @@ class Executor(ABC):
         every later one, raises EngineDeadError. No-op if it failed or shut down already."""
         self._mark_failed(reason)
 
-    def _mark_failed(self, reason: str) -> None:
+    def _mark_failed(self, reason: str, cause: BaseException | None = None) -> None:
         """Record the first failure (not after shutdown), log it, run the callback once.
+        `cause` (e.g. a worker's remote traceback) is chained to every EngineDeadError then.
 
         Ordering: `is_failed` first (so a concurrent `register_failure_callback` runs its
         callback itself), then the callback, and only then `_death`, which is what every call
@@ -237,11 +239,12 @@ class Executor(ABC):
                 if callback is not None:
                     callback()
             finally:
+                self._death_exc = cause
                 self._death = reason
 
     def _raise_if_dead(self) -> None:
         if self._death is not None:
-            raise EngineDeadError(self._death)
+            raise EngineDeadError(self._death) from self._death_exc
         if self._shut_down:
             raise EngineDeadError("the executor has been shut down")
 

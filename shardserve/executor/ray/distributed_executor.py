@@ -161,10 +161,11 @@ class RayDistributedExecutor(Executor):
         if self._shut_down:
             return  # the shutdown under way stops the actors
         self._step_failed = True
-        self._mark_failed(
-            f"the workers were stopped after rank {failure.error.rank} failed a "
-            f"compiled-graph step ({failure.error.exc_type}: {failure.error.message})"
-        )
+        # The step's own read raises the rank's exception; a call made meanwhile (the next
+        # step, under async scheduling) raises this, which names the rank just as well.
+        error = failure.error.to_exception("execute_step")
+        self._mark_failed(f"the workers were stopped after a compiled-graph step: {error}",
+                          cause=error.__cause__)
         self.group.kill_actors()
 
     # ---- shutdown (Executor.shutdown: once, under its lock) ----
