@@ -28,6 +28,16 @@ def make_peft_adapter(hf_model: Any, folder: Path, *, rank: int = 8, alpha: int 
                       **config: Any) -> Path:
     """Save a random non-zero adapter for `hf_model` into `folder`; `config` goes to peft's
     LoraConfig as is (e.g. modules_to_save=["lm_head"] to make one that must be refused)."""
+    return make_peft_model(hf_model, folder, rank=rank, alpha=alpha, targets=targets, seed=seed,
+                           b_std=b_std, use_rslora=use_rslora, **config)[0]
+
+
+def make_peft_model(hf_model: Any, folder: Path, *, rank: int = 8, alpha: int | None = None,
+                    targets: Iterable[str] | str = ALL_SEVEN, seed: int = 1,
+                    b_std: float = 0.05, use_rslora: bool = False,
+                    **config: Any) -> tuple[Path, Any]:
+    """make_peft_adapter, also returning peft's model that saved it (a deep copy of hf_model
+    with the adapter: what peft_model(hf_model, folder) would load, without loading it)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -45,7 +55,7 @@ def make_peft_adapter(hf_model: Any, folder: Path, *, rank: int = 8, alpha: int 
                 b.copy_(torch.randn(b.shape, generator=g) * b_std)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
-    return folder
+    return folder, model.eval()
 
 
 def edit_adapter_config(folder: Path, **changes: Any) -> Path:

@@ -21,7 +21,7 @@ from shardserve.lora.peft_adapter import LoRAError
 from shardserve.lora.request import LoRARequest
 from tests.conftest import TP3
 from tests.entrypoints.pp_oracle import oracle_prompt_ids
-from tests.lora_helpers import make_peft_adapter, peft_greedy, peft_model
+from tests.lora_helpers import make_peft_adapter, make_peft_model, peft_greedy, peft_model
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -56,9 +56,9 @@ def test_default_model_adapters_equal_peft(default_model_path, hf_default_model,
     try:
         prompt_ids = oracle_prompt_ids(llm.get_tokenizer())
         prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-        folders = {r: make_peft_adapter(hf_default_model, tmp_path / f"r{r}", rank=r, seed=r)
-                   for r in (8, 16)}
-        loras = [LoRARequest(f"rank{r}", r, str(f)) for r, f in folders.items()]
+        made = {r: make_peft_model(hf_default_model, tmp_path / f"r{r}", rank=r, seed=r)
+                for r in (8, 16)}
+        loras = [LoRARequest(f"rank{r}", r, str(f)) for r, (f, _) in made.items()]
         # One batch: the base model and both adapters side by side.
         params = SamplingParams(temperature=0, max_tokens=N)
         outs = _ids(llm.generate(prompts * 3, params, use_tqdm=False,
@@ -66,9 +66,9 @@ def test_default_model_adapters_equal_peft(default_model_path, hf_default_model,
     finally:
         llm.shutdown()
     base = outs[:8]
-    for i, folder in enumerate(folders.values()):
+    for i, (_, hf_with_adapter) in enumerate(made.values()):
         got = outs[8 * (i + 1):8 * (i + 2)]
-        assert got == hf_greedy_batch(peft_model(hf_default_model, folder), prompt_ids, N)
+        assert got == hf_greedy_batch(hf_with_adapter, prompt_ids, N)
         assert sum(g != b for g, b in zip(got, base, strict=True)) >= 4  # it does change them
 
 

@@ -42,7 +42,8 @@ def adapters(hf_tiny, tmp_path_factory) -> dict[str, Path]:
            "rank32": make_peft_adapter(hf_tiny, root / "rank32", rank=32, seed=4)}
     for name, change in {"modules_to_save": {"modules_to_save": ["lm_head"]},
                          "dora": {"use_dora": True},
-                         "lm_head": {"target_modules": ["q_proj", "lm_head"]}}.items():
+                         "lm_head": {"target_modules": ["q_proj", "lm_head"]},
+                         "embedding": {"target_modules": ["embed_tokens", "v_proj"]}}.items():
         shutil.copytree(out["a"], root / name)
         out[name] = edit_adapter_config(root / name, **change)
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -143,6 +144,7 @@ def test_unknown_model_is_404_naming_the_adapters(client):
     ("modules_to_save", "modules_to_save=['lm_head'] is not supported"),
     ("dora", "use_dora=True is not supported"),
     ("lm_head", "adapts lm_head: embedding, lm_head and norm adapters are not supported"),
+    ("embedding", "adapts model.embed_tokens: embedding, lm_head and norm adapters are not"),
     ("other_base", "does not fit the base model"),
     ("missing", "is not a folder"),
 ])
