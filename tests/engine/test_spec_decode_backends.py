@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from shardserve import LLM, SamplingParams
 from shardserve.engine.core_wire import SchedulerStats, scheduler_stats
 from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.entrypoints.server.metrics import ServerMetrics
+from shardserve.executor.start_method import _why_fork_is_unsafe
 from shardserve.model import native_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,12 +34,12 @@ def _engine(model: Path, **options) -> LLM:
 
 
 def _shutdown(llm: LLM) -> None:
-    """Shut down, and wait for the grammar thread to end: mp starts its workers by fork only
-    while this process runs no other thread (else by spawn, seconds slower)."""
+    """Shut down, and wait (bounded) until nothing in this process would make mp start its
+    workers by spawn (seconds slower than fork): the grammar pool's thread stays, idle, which
+    does not count (shardserve/idle_threads.py)."""
     llm.shutdown()
     deadline = time.monotonic() + 10
-    while any(t.name.startswith("shardserve-grammar") for t in threading.enumerate()) \
-            and time.monotonic() < deadline:
+    while _why_fork_is_unsafe() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
