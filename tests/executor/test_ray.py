@@ -204,18 +204,19 @@ def test_a_named_placement_group_of_the_caller_is_used_and_kept(ray_cluster):
         remove_placement_group(group)
 
 
-def test_speculative_decoding_on_the_compiled_graph(ray_cluster, echo_model):
-    """The output rank's drafts travel back with its output through the compiled graph, and
-    the verify steps' 1 + d positions out to every rank: the outputs of every workload of
-    spec_cases.py equal those without drafts (k = 0) of the same engine, and drafts were
-    accepted."""
+@pytest.mark.parametrize("path_id", list(PATHS))
+def test_speculative_decoding_on_every_ray_path(ray_cluster, echo_model, path_id):
+    """The output rank's drafts travel back with its output (actor calls, the compiled graph,
+    ray_v2's queue), and the verify steps' 1 + d positions out to every rank: the outputs of
+    every workload of spec_cases.py equal those without drafts (k = 0) of the same engine, and
+    drafts were accepted."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
     from spec_cases import NGRAM, run_cases
 
-    llm = _llm(echo_model, "ray-compiled-graph", tensor_parallel_size=3, seed=0,
+    llm = _llm(echo_model, path_id, tensor_parallel_size=3, seed=0,
                async_scheduling=False, speculative_config=NGRAM)
     try:
         reference, none_accepted = run_cases(llm, k=0)
