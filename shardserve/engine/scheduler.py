@@ -284,7 +284,6 @@ class Scheduler(SchedulerResults):
             budget -= n
         self.waiting.put_back(passed)
 
-
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks for a request that holds none yet (new, or preempted), leaving at
         least its last token to compute. Prompt logprobs need every prompt position computed,

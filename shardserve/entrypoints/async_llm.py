@@ -23,6 +23,7 @@ from shardserve.engine.llm_engine import PromptType
 from shardserve.lora.request import LoRARequest
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
+from shardserve.worker import profiler
 from shardserve.worker.profiler import ProfilerConfig
 
 
@@ -80,11 +81,9 @@ class AsyncLLM:
 
     async def start_profile(self) -> None:
         """torch's profiler on every rank and engine core (needs profiler_config)."""
-        if self._profiler_config is None:
-            raise RuntimeError("profiling is not configured: make the AsyncLLM with "
-                               "profiler_config={'profiler': 'torch', 'torch_profiler_dir': DIR}")
+        config = profiler.required(self._profiler_config, "AsyncLLM")
         await self._start()
-        await self._client.call("start_profile", self._profiler_config)
+        await self._client.call("start_profile", config)
 
     async def stop_profile(self) -> list[str]:
         """Stop the profile; the Chrome trace files the ranks and engine cores wrote."""

@@ -20,6 +20,7 @@ from shardserve.model.loader import generation_defaults
 from shardserve.outputs import EmbeddingRequestOutput, RequestOutput
 from shardserve.pooling_params import PoolingParams
 from shardserve.sampling_params import BeamSearchParams, SamplingParams
+from shardserve.worker import profiler
 from shardserve.worker.profiler import ProfilerConfig
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class LLM:
     def start_profile(self) -> None:
         """Start torch's profiler on every rank and engine core (needs profiler_config when the
         LLM is made); a second start while one runs is refused."""
-        self.engine.client.call("start_profile", _needs_profiler(self._profiler_config))
+        self.engine.client.call("start_profile", profiler.required(self._profiler_config, "LLM"))
 
     def stop_profile(self) -> list[str]:
         """Stop the profile: each rank and engine core writes its Chrome trace (for Perfetto)
@@ -267,13 +268,6 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-def _needs_profiler(config: ProfilerConfig | None) -> ProfilerConfig:
-    if config is None:
-        raise RuntimeError("profiling is not configured: make the LLM with profiler_config="
-                           "{'profiler': 'torch', 'torch_profiler_dir': DIR}")
-    return config
 
 
 def _as_params(params: SamplingParams | dict) -> SamplingParams:

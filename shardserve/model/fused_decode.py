@@ -87,7 +87,7 @@ class FusedDecode:
     """The layer table of one stage, and the call that runs a decode step through it."""
 
     def __init__(self, layers: list[LlamaDecoderLayer], dtype: torch.dtype,
-                 table: ctypes.Array) -> None:
+                 table: ctypes.Array, takes_lora: bool) -> None:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.dtype = dtype
@@ -101,7 +101,7 @@ class FusedDecode:
         self._cache_ptrs: tuple[int, ...] = ()
         qkv_lora = attn.qkv_proj.lora
         self._lora_batch = None if qkv_lora is None else qkv_lora.batch
-        self.takes_lora = True  # build() clears it where the adapters' slots do not fit
+        self.takes_lora = takes_lora  # False: the adapters' slots do not fit the C side
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
@@ -128,9 +128,7 @@ class FusedDecode:
             entries.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
                                   None if bias is None else bias.data_ptr(), None, *mats,
                                   *(entry or _Lora() for entry in loras)))
-        fused = cls(layers, dtype, (_Layer * len(entries))(*entries))
-        fused.takes_lora = takes_lora
-        return fused
+        return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora)
 
     def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
         """Whether this step can run fused: decode rows only, in flat order, few enough."""

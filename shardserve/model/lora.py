@@ -87,9 +87,6 @@ class LoRABatch:
                 self._groups.append((slot, rows))
         return self._groups
 
-    def clear(self) -> None:
-        self.set(None)
-
 
 @dataclass(frozen=True)
 class SubShard:
@@ -197,9 +194,8 @@ class LoRAWeights:
         if slots.shape[0] != x.shape[0]:  # the kernel would read past the slots
             raise ValueError(f"the LoRA batch has {slots.shape[0]} token slots but the layer "
                              f"got {x.shape[0]} rows: prepare() takes the step's token counts")
-        if self._native(out, x):
-            assert self.batch.slots is not None
-            native_kernels.lora_add_(out, x, self.batch.slots, self.at, self.bt, self.seg_ends)
+        if self._native(out, x, slots):
+            native_kernels.lora_add_(out, x, slots, self.at, self.bt, self.seg_ends)
             return out
         for slot, rows in self.batch.groups:
             xs = x[rows]
@@ -212,11 +208,10 @@ class LoRAWeights:
                 out.index_add_(0, rows, delta.to(out.dtype))
         return out
 
-    def _native(self, out: torch.Tensor, x: torch.Tensor) -> bool:
+    def _native(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> bool:
         return (out.dim() == 2 and x.dim() == 2 and out.stride(1) == 1 and x.stride(1) == 1
                 and x.dtype == out.dtype and self.dtype in (torch.float32, torch.bfloat16)
-                and self.batch.slots is not None and self.batch.slots.device.type == "cpu"
-                and native_kernels.supports(out.dtype, out.device))
+                and slots.device.type == "cpu" and native_kernels.supports(out.dtype, out.device))
 
 
 def attach(layers: nn.ModuleList, first_layer: int, max_loras: int, max_rank: int,

@@ -151,3 +151,9 @@ class LoRAManager:
     def list(self) -> list[int]:
         """The ids of the adapters loaded on this rank, sorted."""
         return sorted(self._cache)
+
+    def held(self) -> list[tuple[LoRARequest, bool]]:
+        """Each loaded adapter's request and whether it is pinned, least recently used first
+        (what a manager for a reloaded model needs to hold the same)."""
+        return [(loaded.request, lora_id in self._pinned)
+                for lora_id, loaded in self._cache.items()]

@@ -29,42 +29,34 @@ class WorkerLoRAs:
         self.lora_config = lora_config
         self.model_dtype = model_dtype
         self.manager: LoRAManager | None = None
-        self._requests: dict[int, LoRARequest] = {}  # by id: what add() was given
-        self._pinned: set[int] = set()
-        self._kept: list[int] = []  # loaded when the model was freed: restored by attach()
+        # What the last manager held (request, pinned) when its model was freed.
+        self._kept: list[tuple[LoRARequest, bool]] = []
 
     def attach(self, model: LlamaForCausalLM) -> None:
         """A manager for the model just loaded, holding again what the last one held."""
         from shardserve.worker.lora_manager import LoRAManager  # only with enable_lora
 
         self.manager = LoRAManager(model, self.lora_config, self.model_dtype)
-        for lora_id in self._kept:
-            self.manager.add(self._requests[lora_id])
-            if lora_id in self._pinned:
-                self.manager.pin(lora_id)
+        for lora_request, pinned in self._kept:
+            self.manager.add(lora_request)
+            if pinned:
+                self.manager.pin(lora_request.lora_int_id)
         self._kept = []
 
     def detach(self) -> None:
         """The model is freed: drop its manager, remembering what it held."""
         if self.manager is not None:
-            self._kept = self.manager.list()
+            self._kept = self.manager.held()
         self.manager = None
 
     def add(self, lora_request: LoRARequest) -> bool:
-        added = self._manager().add(lora_request)
-        self._requests[lora_request.lora_int_id] = lora_request
-        return added
+        return self._manager().add(lora_request)
 
     def remove(self, lora_int_id: int) -> bool:
-        self._requests.pop(lora_int_id, None)
-        self._pinned.discard(lora_int_id)
         return self._manager().remove(lora_int_id)
 
     def pin(self, lora_int_id: int) -> bool:
-        pinned = self._manager().pin(lora_int_id)
-        if pinned:
-            self._pinned.add(lora_int_id)
-        return pinned
+        return self._manager().pin(lora_int_id)
 
     def list(self) -> list[int]:
         return self._manager().list()

@@ -99,6 +99,14 @@ def _config_fields(value: dict | str | None) -> dict[str, Any]:
     return dict(value)
 
 
+def required(config: ProfilerConfig | None, owner: str) -> ProfilerConfig:
+    """`config`, or RuntimeError saying how to configure profiling on `owner` (LLM, AsyncLLM)."""
+    if config is None:
+        raise RuntimeError(f"profiling is not configured: make the {owner} with profiler_config="
+                           f"{{'profiler': 'torch', 'torch_profiler_dir': DIR}}")
+    return config
+
+
 def rank_trace_name(dp: int, pp: int, tp: int) -> str:
     return f"trace_dp{dp}_pp{pp}_tp{tp}.json"
 
