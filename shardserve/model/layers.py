@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.config.model_arch import kv_heads_of_rank
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels, quantization
 from shardserve.model.matmul_layer import MatmulLayer
@@ -111,7 +112,9 @@ class ColumnParallelLinear(MatmulLayer):
 
     `output_sizes` lists the full sizes of logically separate matrices stacked along the output
     dim (q/k/v, gate/up); each one is split evenly across ranks, so the local weight is the
-    concatenation of every piece's local slice and one matmul computes them all.
+    concatenation of every piece's local slice and one matmul computes them all. `local_rows`
+    ((start, size) of this rank's rows of each full piece) overrides the even split: the K/V
+    pieces of a QKV layer with more ranks than KV heads are replicated, not split.
     """
 
     lora: LoRAWeights | None = None  # adapter slots (model/lora.py), once enabled
@@ -123,12 +126,18 @@ class ColumnParallelLinear(MatmulLayer):
         bias: bool,
         dtype: torch.dtype,
         device="cpu",
+        local_rows: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.full_sizes = list(output_sizes)
-        self.local_sizes = [_divide(n, self.tp_size, "output size") for n in output_sizes]
+        if local_rows is None:
+            sizes = [_divide(n, self.tp_size, "output size") for n in output_sizes]
+            local_rows = [(self.tp_rank * n, n) for n in sizes]
+        # Per piece: where this rank's rows start in the full piece, and how many it holds.
+        self.row_starts = [start for start, _ in local_rows]
+        self.local_sizes = [size for _, size in local_rows]
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out_local = sum(self.local_sizes)
         self.weight = _weight_param(out_local, input_size, dtype, device)
@@ -146,14 +155,13 @@ class ColumnParallelLinear(MatmulLayer):
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         idx = self._shard_index(shard_id)
-        size = self.local_sizes[idx]
+        start, size = self.row_starts[idx], self.local_sizes[idx]
         if full.shape[0] != self.full_sizes[idx]:
             raise ValueError(f"expected {self.full_sizes[idx]} output rows, got {full.shape[0]}")
         if isinstance(full, QuantizedTensor):  # a matrix (GGUF biases are 1-D: never blocks)
-            self.load_quantized(full.narrow_rows(self.tp_rank * size, size),
-                                self.local_offsets[idx])
+            self.load_quantized(full.narrow_rows(start, size), self.local_offsets[idx])
             return
-        local = full.narrow(0, self.tp_rank * size, size)
+        local = full.narrow(0, start, size)
         _copy_into_rows(param, local, self.local_offsets[idx])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,8 +186,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection, sharded by heads. Shard ids are "q", "k", "v".
 
-    Local output layout: [q heads of this rank | k heads of this rank | v heads of this rank].
-    With `rope_interleave`, q and k rows are stored in `rope_interleave_perm` order per head.
+    Local output layout: [q heads of this rank | k heads of this rank | v heads of this rank];
+    `kv_head_ids` are the global KV heads of this rank (`kv_heads_of_rank`: one replicated
+    head when there are more ranks than KV heads). With `rope_interleave`, q and k rows are
+    stored in `rope_interleave_perm` order per head.
     """
 
     _IDS = {"q": 0, "k": 1, "v": 2}
@@ -196,7 +206,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         rope_interleave: bool = False,
     ) -> None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, dtype, device)
+        tp = get_tp_group()
+        q_rows = _divide(num_heads, tp.world_size, "num_heads") * head_dim
+        kv_heads = kv_heads_of_rank(num_kv_heads, tp.world_size, tp.rank)
+        kv_rows = (kv_heads[0] * head_dim, len(kv_heads) * head_dim)  # contiguous heads
+        super().__init__(hidden_size, sizes, bias, dtype, device,
+                         local_rows=[(tp.rank * q_rows, q_rows), kv_rows, kv_rows])
+        self.kv_head_ids = kv_heads
         self.head_dim = head_dim
         self.rope_perm = rope_interleave_perm(head_dim) if rope_interleave else None
 

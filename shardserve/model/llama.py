@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.config.lora import LoRAConfig
-from shardserve.config.model_arch import ModelArch
+from shardserve.config.model_arch import ModelArch, kv_heads_of_rank
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import lora, native_kernels
 from shardserve.model.attention import AttentionMetadata, paged_attention
@@ -37,12 +37,9 @@ from shardserve.model.rotary import RopeStep, RotaryEmbedding
 
 
 def check_tp_size(arch: ModelArch, tp_size: int) -> None:
-    """Refuse a TP size that cannot shard the attention heads evenly."""
-    if arch.num_heads % tp_size or arch.num_kv_heads % tp_size:
-        raise ValueError(
-            f"tensor-parallel size {tp_size} must divide num_heads={arch.num_heads} and "
-            f"num_kv_heads={arch.num_kv_heads}; valid sizes: {arch.valid_tp_sizes()}"
-        )
+    """Refuse a TP size that cannot shard the attention heads (ModelArch.shards_heads)."""
+    if problem := arch.tp_size_error(tp_size):
+        raise ValueError(problem)
 
 
 class LlamaAttention(nn.Module):
@@ -50,10 +47,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         tp_size = get_tp_group().world_size
         self.num_heads = arch.num_heads // tp_size
-        self.num_kv_heads = arch.num_kv_heads // tp_size
         self.head_dim = arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
             arch.head_dim,
@@ -64,6 +58,11 @@ class LlamaAttention(nn.Module):
             device=device,
             rope_interleave=True,
         )
+        # One replicated KV head per rank when there are more ranks than KV heads; this rank's
+        # q heads all read it (their GQA group is contiguous), so attention needs no change.
+        self.num_kv_heads = len(self.qkv_proj.kv_head_ids)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             arch.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device
         )
@@ -240,7 +239,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, device)
             if arch.tie_word_embeddings and self.is_first:
                 self.lm_head.tie_to(self.model.embed_tokens)
-        self.local_num_kv_heads = arch.num_kv_heads // tp.world_size
+        # The global KV heads this rank caches, in local order (one, replicated, when there
+        # are more TP ranks than KV heads): decode context parallelism shards what this holds.
+        self.kv_head_ids: list[int] = kv_heads_of_rank(arch.num_kv_heads, tp.world_size,
+                                                       tp.rank)
+        self.local_num_kv_heads = len(self.kv_head_ids)  # max(1, num_kv_heads // tp)
         self.head_dim = arch.head_dim
         self.num_layers = len(self.model.layers)  # this stage's: its KV cache has one per layer
         self.lora_batch: lora.LoRABatch | None = None  # set by enable_lora

@@ -97,16 +97,16 @@ class SubShard:
     b: torch.Tensor
 
 
-def shard_column(a: torch.Tensor, b: torch.Tensor, tp_rank: int, tp_size: int,
+def shard_column(a: torch.Tensor, b: torch.Tensor, start: int, rows: int,
                  rope_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A column-parallel layer's adapter: B's rows split like the layer's output rows (after
-    the RoPE row order of q/k, as the layer's weight loader does), A whole (its input is whole
-    on every rank)."""
+    """A column-parallel layer's adapter: B's rows [start, start + rows), the layer's own rows
+    of that piece (`row_starts` / `local_sizes`: a split, or the replicated K/V head of a
+    QKV layer with more ranks than KV heads), after the RoPE row order of q/k as the layer's
+    weight loader does; A whole (its input is whole on every rank)."""
     if rope_head_dim is not None:
         perm = rope_interleave_perm(rope_head_dim)
         b = b.view(-1, rope_head_dim, b.shape[1]).index_select(1, perm).reshape(b.shape)
-    rows = b.shape[0] // tp_size
-    return a, b.narrow(0, tp_rank * rows, rows)
+    return a, b.narrow(0, start, rows)
 
 
 def shard_row(a: torch.Tensor, b: torch.Tensor, tp_rank: int,
@@ -129,6 +129,7 @@ class LoRAWeights:
             assert isinstance(layer, ColumnParallelLinear)
             self.tp_rank, self.tp_size = layer.tp_rank, layer.tp_size
             out_sizes = list(layer.local_sizes)
+            self.row_starts = list(layer.row_starts)
             in_local = layer.weight.shape[1]
         else:
             assert isinstance(layer, RowParallelLinear)
@@ -165,7 +166,8 @@ class LoRAWeights:
                 continue
             a, b, scaling = sub
             if self.column:
-                a, b = shard_column(a, b, self.tp_rank, self.tp_size, self.rope_head_dims[i])
+                a, b = shard_column(a, b, self.row_starts[i], self.out_sizes[i],
+                                    self.rope_head_dims[i])
             else:
                 a, b = shard_row(a, b, self.tp_rank, self.tp_size)
             out.append(SubShard(a.to(self.dtype).contiguous(),

@@ -236,13 +236,14 @@ def test_half_precision_close_to_fp32(dtype: torch.dtype, kernel_path: str) -> N
 
 
 def test_tp_size_validation(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, arch = make_hf("llama")  # 4 heads, 2 KV heads
+    _, arch = make_hf("llama")  # 4 heads, 2 KV heads: 4 ranks hold one KV head each
     check_tp_size(arch, 2)
-    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2\]"):
-        check_tp_size(arch, 4)
+    check_tp_size(arch, 4)
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4\]"):
+        check_tp_size(arch, 8)
     # The model reads the TP size from the process group and refuses it the same way.
     monkeypatch.setattr(parallel_state, "_TP_GROUP", parallel_state.GroupCoordinator(0, 3))
-    with pytest.raises(ValueError, match=r"tensor-parallel size 3 .*valid sizes: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 .*valid sizes: \[1, 2, 4\]"):
         LlamaForCausalLM(arch, torch.float32)
 
 
