@@ -74,10 +74,25 @@ class GroupCoordinator:
 
 _TP_GROUP = GroupCoordinator()
 _PP_GROUP = PipelineGroup()
+# Context parallelism (RankLayout's pcp axis, and the dcp groups over TP x PCP): world size 1
+# unless the layout has them, so code may call their collectives unconditionally.
+_PCP_GROUP = GroupCoordinator()
+_DCP_GROUP = GroupCoordinator()
 
 
 def get_tp_group() -> GroupCoordinator:
     return _TP_GROUP
+
+
+def get_pcp_group() -> GroupCoordinator:
+    """This rank's prefill context parallel group: the same TP rank of every context shard."""
+    return _PCP_GROUP
+
+
+def get_dcp_group() -> GroupCoordinator:
+    """This rank's decode context parallel group: the ranks that share one request's KV cache,
+    each holding the positions it owns (model/context_parallel.py)."""
+    return _DCP_GROUP
 
 
 def get_pp_group() -> PipelineGroup:
@@ -103,7 +118,7 @@ def init_distributed(
     (several machines): shared memory only joins ranks of one node — on a loopback test's two
     "nodes" it would work, and hide the path real nodes take.
     """
-    global _TP_GROUP, _PP_GROUP
+    global _TP_GROUP, _PP_GROUP, _PCP_GROUP, _DCP_GROUP
     layout = (layout or RankLayout(tp=world_size)).replica()
     if layout.world_size != world_size:
         raise ValueError(f"world size {world_size} is not the layout's {layout.world_size}")
@@ -123,28 +138,46 @@ def init_distributed(
     where = layout.coords(rank)
     tp_groups = layout.replica_groups("tp")
     tp_ranks = layout.group_of("tp", rank)
-    _TP_GROUP = GroupCoordinator(where.tp, tp_size, _tp_group(tp_groups, tp_ranks),
+    _TP_GROUP = GroupCoordinator(where.tp, tp_size, _new_group(tp_groups, tp_ranks, world_size),
                                  first_global_rank=tp_ranks[0])
     _PP_GROUP = PipelineGroup(where.pp, tuple(layout.group_of("pp", rank)))
+    _PCP_GROUP = _coordinator(layout, "pcp", rank)
+    _DCP_GROUP = _coordinator(layout, "dcp", rank)
     nodes = nodes or [0] * world_size
     if world_size > 1 and backend == "gloo" and envs.shm_allreduce():
         # Every rank takes the same branches (each below is a collective over its group).
-        if tp_size > 1 and all(len({nodes[r] for r in g}) == 1 for g in tp_groups):
-            _TP_GROUP.shm = _attach_shm_allreduce(_TP_GROUP)
-        elif tp_size > 1:
-            logger.info("a TP group spans nodes: gloo all-reduce")
+        for kind, coord in (("tp", _TP_GROUP), ("pcp", _PCP_GROUP), ("dcp", _DCP_GROUP)):
+            groups = layout.replica_groups(kind)
+            if coord.world_size > 1 and all(len({nodes[r] for r in g}) == 1 for g in groups):
+                coord.shm = _attach_shm_allreduce(coord)
+            elif coord.world_size > 1:
+                logger.info("a %s group spans nodes: gloo collectives", kind.upper())
         if pp_size > 1 and len(set(nodes)) == 1:
             _PP_GROUP.attach_pipes(pp_slot_bytes, pp_timeout_s)
     return _TP_GROUP
 
 
-def _tp_group(tp_groups: list[list[int]], mine: list[int]) -> object | None:
-    """The torch.distributed group of this rank's TP ranks (the world with one group).
-    Every rank must create every group, in the same order, even those it is not in."""
-    if len(tp_groups) == 1:
-        return dist.group.WORLD if len(mine) > 1 else None
-    groups = [dist.new_group(g) for g in tp_groups]
-    return groups[tp_groups.index(mine)]
+def _coordinator(layout: RankLayout, kind: str, rank: int) -> GroupCoordinator:
+    """The group of `kind` this rank is in (collective: every rank creates every group)."""
+    groups = layout.replica_groups(kind)
+    mine = layout.group_of(kind, rank)
+    if len(mine) == 1:
+        return GroupCoordinator()
+    return GroupCoordinator(mine.index(rank), len(mine),
+                            _new_group(groups, mine, layout.world_size),
+                            first_global_rank=mine[0])
+
+
+def _new_group(groups: list[list[int]], mine: list[int], world_size: int) -> object | None:
+    """The torch.distributed group of this rank's `mine` among `groups` (the world when it is
+    the whole world). Every rank must create every group, in the same order, even those it is
+    not in."""
+    if len(mine) == 1:
+        return None
+    if len(mine) == world_size:
+        return dist.group.WORLD
+    made = [dist.new_group(g) for g in groups]
+    return made[groups.index(mine)]
 
 
 def _attach_shm_allreduce(coord: GroupCoordinator) -> ShmAllReduce | None:
@@ -187,11 +220,12 @@ def _create_shm(world_size: int, name: str) -> ShmAllReduce | None:
 
 
 def destroy_distributed() -> None:
-    global _TP_GROUP, _PP_GROUP
-    if _TP_GROUP.shm is not None:
-        _TP_GROUP.shm.close()
+    global _TP_GROUP, _PP_GROUP, _PCP_GROUP, _DCP_GROUP
+    for coord in (_TP_GROUP, _PCP_GROUP, _DCP_GROUP):
+        if coord.shm is not None:
+            coord.shm.close()
     _PP_GROUP.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP = GroupCoordinator()
+    _TP_GROUP, _PCP_GROUP, _DCP_GROUP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     _PP_GROUP = PipelineGroup()

@@ -67,6 +67,9 @@ class AttentionMetadata:
     prefill: _Group | None
     # Flat-batch row -> row of cat(decode_out [Bd], prefill_out [Bp*Qp]); None when identity.
     output_index: torch.Tensor | None
+    # Context parallelism: the step's object with an `attention(q, kv, kv_cache, meta)` that
+    # replaces paged_attention's (model/context_parallel_step.py); None without it.
+    context: object | None = None
 
     @classmethod
     def build(
@@ -245,11 +248,25 @@ def paged_attention(
 
     q: [T, H, D] (RoPE applied); kv: [T, 2, Hkv, D] (K with RoPE applied, V).
     """
+    if meta.context is not None:
+        return meta.context.attention(q, kv, kv_cache, meta)  # type: ignore[attr-defined]
+    write_kv(kv_cache, kv, meta.slot_mapping)
+    return attend(q, kv, kv_cache, meta)
+
+
+def write_kv(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Row i of kv [N, 2, Hkv, D] into cache slot slots[i]."""
     if native_kernels.supports(kv.dtype, kv.device) and kv[0].is_contiguous():
-        native_kernels.cache_write(kv_cache, kv, meta.slot_mapping)
+        native_kernels.cache_write(kv_cache, kv, slots)
     else:
         flat_cache = kv_cache.view(-1, *kv_cache.shape[2:])  # [slots, 2, Hkv, D]
-        flat_cache.index_copy_(0, meta.slot_mapping, kv)
+        flat_cache.index_copy_(0, slots, kv)
+
+
+def attend(
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Attention of the step's rows over the cache (this step's K/V already written)."""
     outs = []
     if meta.decode is not None:
         outs.append(_attend_decode(q, kv, kv_cache, meta.decode))
