@@ -135,6 +135,7 @@ class FusedDecode:
         g = meta.decode
         return (
             g is not None and meta.prefill is None and g.query_index is None
+            and meta.context is None  # context parallel attention runs layer by layer
             and meta.output_index is None and meta.num_tokens < DENSE_MIN_ROWS
             and x.dtype == self.dtype and x.device.type == "cpu"
             and (self.takes_lora or not self._lora_active())
