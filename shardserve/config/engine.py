@@ -134,6 +134,14 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     """Built from the LoRA options when enable_lora is set; None otherwise."""
 
+    @property
+    def virtual_block_size(self) -> int:
+        """Tokens per block as the scheduler, the KV-cache manager and the prefix cache count
+        them: block_size x decode_context_parallel_size (a block id names one physical block
+        of block_size slots on every rank of a DCP group, each holding its share of the
+        positions)."""
+        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
+
     def __post_init__(self) -> None:
         _resolve_lora(self)
         arch = self.model_config.arch
@@ -152,6 +160,7 @@ class EngineConfig:
         )
         pc.layer_partition(arch.num_layers)  # validates pp_layer_partition
         _resolve_speculative(self)
+        _check_context_parallel(self)
         _note_inapplicable(self)
         sched = self.scheduler_config
         if not sched.enable_chunked_prefill:
@@ -191,6 +200,31 @@ def _resolve_speculative(config: EngineConfig) -> None:
     budget = config.scheduler_config.max_num_batched_tokens
     _check(k + 1 <= budget, f"num_speculative_tokens={k} needs max_num_batched_tokens >= "
            f"{k + 1} (a verify step feeds 1 + k positions), got {budget}")
+
+
+def _check_context_parallel(config: EngineConfig) -> None:
+    """What context parallelism does not combine with yet, and its interleave against the
+    block size (a block holds whole interleave runs)."""
+    pc, block_size = config.parallel_config, config.cache_config.block_size
+    interleave = pc.cp_kv_cache_interleave_size
+    _check(block_size % interleave == 0,
+           f"cp_kv_cache_interleave_size={interleave} must divide block_size={block_size} "
+           f"(a block holds whole runs of consecutive positions); use a divisor of "
+           f"{block_size}, e.g. 1")
+    if not pc.context_parallel:
+        return
+    sizes = (f"decode_context_parallel_size={pc.decode_context_parallel_size}, "
+             f"prefill_context_parallel_size={pc.prefill_context_parallel_size}")
+    _check(config.speculative_config is None,
+           f"speculative decoding is not supported with context parallelism yet ({sizes}); "
+           f"drop speculative_config or set both sizes to 1")
+    _check(not config.enable_lora,
+           f"LoRA (enable_lora=True) is not supported with context parallelism yet ({sizes}); "
+           f"drop enable_lora or set both sizes to 1")
+    _check(not config.model_config.is_pooling or pc.prefill_context_parallel_size == 1,
+           f"runner='pooling' is not supported with prefill_context_parallel_size="
+           f"{pc.prefill_context_parallel_size} (pooling reads every prompt position on one "
+           f"rank); set prefill_context_parallel_size=1")
 
 
 # Which config owns a flat option; the nested Ray and multi-node configs belong to

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from shardserve.config.backends import BACKENDS, PP_BACKENDS
+from shardserve.config.backends import BACKENDS, CP_BACKENDS, PP_BACKENDS
 from shardserve.config.checks import check
 from shardserve.distributed.rank_layout import RankLayout
 
@@ -97,7 +97,7 @@ class ParallelConfig:
     """Dotted path of the Worker class each rank runs (a subclass may add methods)."""
     data_parallel_size: int = 1
     """Engine replicas, each an engine core in its own process with its own executor (and its
-    own tensor_parallel_size x pipeline_parallel_size ranks); requests go to the least loaded.
+    own pipeline x prefill context x tensor parallel ranks); requests go to the least loaded.
     Replicas on one machine split its cores and its CPU KV-cache budget."""
     data_parallel_backend: str = "mp"
     """Where replicas' ranks run: "mp" (this machine, or the nodes of nnodes) or "ray" (each
@@ -110,13 +110,27 @@ class ParallelConfig:
     """Decoder layers per pipeline stage, comma-separated ("10,10,10"; a list of ints is taken
     too); they must sum to the model's layer count, each >= 1. None: split evenly (earlier
     stages take the remainder)."""
+    decode_context_parallel_size: int = 1
+    """Decode context parallelism (DCP): the KV cache of every sequence is sharded by position
+    over this many of the TP ranks (it must divide tensor_parallel_size), so each rank holds
+    1/DCP of it and the engine admits ~DCP x the tokens; attention merges the shards' partial
+    results. Needs no extra ranks."""
+    prefill_context_parallel_size: int = 1
+    """Prefill context parallelism (PCP): every prefill is split across this many groups of TP
+    ranks (causally load balanced), to cut time to first token of long prompts. Multiplies the
+    ranks: PP x PCP x TP per replica."""
+    cp_kv_cache_interleave_size: int = 1
+    """Decode context parallelism: consecutive positions stored together on one rank before
+    the next rank takes over (1: round robin by token); must divide block_size."""
     ray: RayConfig = field(default_factory=RayConfig)
     multinode: MultiNodeConfig = field(default_factory=MultiNodeConfig)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     *_CP_SIZES):
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
+        self._check_context_parallel()
         check(self.data_parallel_backend in ("mp", "ray"),
               f"data_parallel_backend={self.data_parallel_backend!r} must be 'mp' or 'ray'")
         check(isinstance(self.data_parallel_rank, int)
@@ -151,12 +165,39 @@ class ParallelConfig:
         entry = BACKENDS.get(backend) if isinstance(backend, str) else None
         if entry is None:
             return
+        check(entry.supports_cp or not self.context_parallel,
+              f"distributed_executor_backend={backend!r} does not run context parallelism "
+              f"(decode_context_parallel_size={self.decode_context_parallel_size}, "
+              f"prefill_context_parallel_size={self.prefill_context_parallel_size}); the "
+              f"backends that take it: {', '.join(CP_BACKENDS)}")
         check(entry.supports_pp or self.pipeline_parallel_size == 1,
               f"pipeline_parallel_size={self.pipeline_parallel_size} needs several processes; "
               f"the backends that take it: {', '.join(PP_BACKENDS)}")
         check(entry.multi_rank or self.world_size == 1,
-              f"distributed_executor_backend={backend!r} runs one rank, but tensor_parallel_size "
-              f"x pipeline_parallel_size = {self.world_size}; use 'mp' or 'ray'")
+              f"distributed_executor_backend={backend!r} runs one rank, but "
+              f"{self.world_formula} = {self.world_size}; use 'mp' or 'ray'")
+
+    def _check_context_parallel(self) -> None:
+        """vLLM's rules: DCP reuses the TP ranks (or, with PCP, the TP x PCP ones); DCP across
+        PCP ranks is refused until it is built."""
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        pcp = self.prefill_context_parallel_size
+        if pcp == 1:
+            check(tp % dcp == 0,
+                  f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} "
+                  f"(decode context parallelism shards the KV cache over the TP ranks); use a "
+                  f"divisor of {tp} or raise tensor_parallel_size")
+            return
+        allowed = sorted({1, pcp, tp * pcp})
+        check(dcp in allowed,
+              f"with prefill_context_parallel_size={pcp} and tensor_parallel_size={tp}, "
+              f"decode_context_parallel_size={dcp} must be 1, PCP or TP x PCP: one of "
+              f"{allowed}")
+        check(dcp == 1,
+              f"decode_context_parallel_size={dcp} with prefill_context_parallel_size={pcp} "
+              f"(the KV cache sharded across the PCP ranks) is not built yet; use "
+              f"decode_context_parallel_size=1 with PCP, or PCP=1 with a DCP dividing "
+              f"tensor_parallel_size")
 
     def _check_ray_replicas(self) -> None:
         check(self.distributed_executor_backend in ("ray", "ray_v2"),
@@ -178,19 +219,34 @@ class ParallelConfig:
               f"{self.distributed_executor_backend!r}); across Ray nodes use 'ray' or 'ray_v2'")
         total = self.world_size * self.data_parallel_size
         check(total % nnodes == 0,
-              f"nnodes={nnodes} must divide data_parallel_size x tensor_parallel_size x "
-              f"pipeline_parallel_size = {total} (ranks are spread evenly over the nodes)")
+              f"nnodes={nnodes} must divide data_parallel_size x {self.world_formula} = "
+              f"{total} (ranks are spread evenly over the nodes)")
 
     @property
     def world_size(self) -> int:
-        """Ranks of one replica (its torch.distributed world)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks of one replica (its torch.distributed world): PP x PCP x TP (DCP reuses them)."""
+        return (self.pipeline_parallel_size * self.prefill_context_parallel_size
+                * self.tensor_parallel_size)
+
+    @property
+    def world_formula(self) -> str:
+        """How world_size is made, for messages: the sizes that multiply into it."""
+        names = ["tensor_parallel_size", "pipeline_parallel_size"]
+        if self.prefill_context_parallel_size > 1:
+            names.insert(1, "prefill_context_parallel_size")
+        return " x ".join(names)
+
+    @property
+    def context_parallel(self) -> bool:
+        """Either kind of context parallelism is on (DCP > 1 or PCP > 1)."""
+        return self.decode_context_parallel_size > 1 or self.prefill_context_parallel_size > 1
 
     @cached_property
     def layout(self) -> RankLayout:
         """Every replica's ranks: coordinates, groups, nodes (distributed/rank_layout.py)."""
         return RankLayout(tp=self.tensor_parallel_size, pp=self.pipeline_parallel_size,
-                          dp=self.data_parallel_size, nnodes=self.multinode.nnodes)
+                          pcp=self.prefill_context_parallel_size, dp=self.data_parallel_size,
+                          dcp=self.decode_context_parallel_size, nnodes=self.multinode.nnodes)
 
     def describe_rank(self, rank: int, where: str) -> str:
         """'rank 3 (pid 7)' or, with pipeline stages, 'rank 3 (stage 1, TP rank 1, pid 7)'."""
@@ -213,6 +269,10 @@ class ParallelConfig:
         counts = self.layer_partition(num_layers)
         start = sum(counts[:stage])
         return start, start + counts[stage]
+
+
+_CP_SIZES = ("decode_context_parallel_size", "prefill_context_parallel_size",
+             "cp_kv_cache_interleave_size")
 
 
 def _even_split(num_layers: int, pp: int) -> list[int]:

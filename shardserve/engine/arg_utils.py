@@ -56,6 +56,8 @@ _HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {
 }
 # The engine's `seed` would clash with the per-request sampling --seed.
 _ENGINE_RENAMES = {"seed": "engine-seed"}
+# Short forms, as vLLM spells them.
+_ENGINE_SHORT = {"decode_context_parallel_size": "-dcp", "prefill_context_parallel_size": "-pcp"}
 # Help for fields without an attribute docstring in config.py (the docstring wins when added).
 _ENGINE_HELP = {
     "tensor_parallel_size": "Ranks that shard each layer.",
@@ -76,6 +78,8 @@ class FieldFlag:
     annotation: str
     default: Any
     help: str
+    short: str | None = None
+    """Another spelling of the flag (e.g. -dcp)."""
 
 
 @functools.cache
@@ -105,6 +109,7 @@ def dataclass_flags(
     hidden: frozenset[str] = frozenset(),
     renames: dict[str, str] | None = None,
     extra_help: dict[str, str] | None = None,
+    shorts: dict[str, str] | None = None,
 ) -> list[FieldFlag]:
     """A flag per init field of `cls`: `max_model_len` -> `--max-model-len`."""
     docs = {**(extra_help or {}), **field_docs(cls)}
@@ -117,7 +122,7 @@ def dataclass_flags(
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
         flags.append(
             FieldFlag(f.name, f"--{name}", f"{prefix}:{f.name}", annotation, default,
-                      docs.get(f.name, ""))
+                      docs.get(f.name, ""), (shorts or {}).get(f.name))
         )
     return flags
 
@@ -132,18 +137,19 @@ def add_flags(group: argparse._ActionsContainer, flags: list[FieldFlag]) -> None
         text = f"{flag.help} (default: {flag.default})".strip().replace("%", "%%")
         common = dict(dest=flag.dest, default=argparse.SUPPRESS, help=text)
         parts = _type_parts(flag.annotation)
+        names = [flag.flag] if flag.short is None else [flag.short, flag.flag]
         if parts == {"bool"}:
-            group.add_argument(flag.flag, action=argparse.BooleanOptionalAction, **common)
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
         elif "list[int]" in parts:
-            group.add_argument(flag.flag, type=int, nargs="+", metavar="INT", **common)
+            group.add_argument(*names, type=int, nargs="+", metavar="INT", **common)
         elif "list[str]" in parts:
-            group.add_argument(flag.flag, action="append", metavar="STR", **common)
+            group.add_argument(*names, action="append", metavar="STR", **common)
         elif parts <= {"int"}:
-            group.add_argument(flag.flag, type=int, metavar="INT", **common)
+            group.add_argument(*names, type=int, metavar="INT", **common)
         elif parts <= {"float", "int"}:
-            group.add_argument(flag.flag, type=float, metavar="FLOAT", **common)
+            group.add_argument(*names, type=float, metavar="FLOAT", **common)
         else:
-            group.add_argument(flag.flag, metavar="STR", **common)
+            group.add_argument(*names, metavar="STR", **common)
 
 
 def collect(args: argparse.Namespace, flags: list[FieldFlag]) -> dict[str, Any]:
@@ -157,7 +163,8 @@ def engine_flags() -> list[FieldFlag]:
     flags = []
     for cls in ENGINE_CONFIGS:
         hidden = _HIDDEN_ENGINE_FIELDS.get(cls, frozenset())
-        flags += dataclass_flags(cls, "engine", hidden, _ENGINE_RENAMES, _ENGINE_HELP)
+        flags += dataclass_flags(cls, "engine", hidden, _ENGINE_RENAMES, _ENGINE_HELP,
+                                 _ENGINE_SHORT)
     return flags
 
 

@@ -84,7 +84,7 @@ class EngineCore:
         self.kv_cache_config = kv_config
         self.scheduler = Scheduler(
             config.scheduler_config,
-            KVCacheManager(kv_config.num_blocks, kv_config.block_size,
+            KVCacheManager(kv_config.num_blocks, config.virtual_block_size,
                            config.cache_config.enable_prefix_caching),
             config.model_config.max_model_len,
             num_stages=config.parallel_config.pipeline_parallel_size,
@@ -103,28 +103,34 @@ class EngineCore:
                                                   model.trust_remote_code)
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
-        cache = self.config.cache_config
+        """As many blocks as the tightest rank holds; the scheduler counts each block as
+        virtual_block_size tokens (with DCP every rank of the group stores its share of a
+        block's positions in its own physical block of that id)."""
+        cache, tokens_per_block = self.config.cache_config, self.config.virtual_block_size
         block_bytes = max(self.executor.get_kv_cache_block_bytes())
         available = min(self.executor.determine_available_memory())
         num_blocks = cache.num_blocks_override or available // block_bytes
-        max_len = self.config.model_config.max_model_len
-        if num_blocks * cache.block_size < max_len:
+        capacity, max_len = num_blocks * tokens_per_block, self.config.model_config.max_model_len
+        dcp = self.config.parallel_config.decode_context_parallel_size
+        if capacity < max_len:
             raise ValueError(
-                f"the KV cache holds {num_blocks * cache.block_size} tokens "
-                f"({num_blocks} blocks of "
-                f"{cache.block_size}, {block_bytes} bytes each, from {available} bytes available) "
-                f"but max_model_len={max_len}: lower max_model_len or raise "
-                f"kv_cache_memory_bytes / kv_cache_memory_fraction"
-            )
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{tokens_per_block} tokens, {block_bytes} bytes each per rank, from "
+                f"{available} bytes available) but max_model_len={max_len}: lower max_model_len "
+                f"or raise kv_cache_memory_bytes / kv_cache_memory_fraction"
+                + (f" or decode_context_parallel_size (now {dcp})" if dcp > 1 else ""))
         kv_config = KVCacheConfig(num_blocks=num_blocks, block_size=cache.block_size)
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB per rank)",
-            num_blocks,
-            cache.block_size,
-            num_blocks * block_bytes / 2**20,
-        )
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank); capacity %d tokens "
+                    "(%d per rank%s)", num_blocks, tokens_per_block,
+                    num_blocks * block_bytes / 2**20, capacity, capacity // dcp,
+                    f", KV sharded over {dcp} ranks" if dcp > 1 else "")
         self.executor.initialize_from_config(kv_config)
         return kv_config
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Tokens the engine's KV cache holds: num_blocks x block_size x DCP."""
+        return self.scheduler.kv.num_blocks * self.scheduler.kv.block_size
 
     def add_request(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs

@@ -76,6 +76,7 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    kv_cache_capacity_tokens: int = 0  # what the KV cache holds (blocks x block_size x DCP)
 
 
 def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
@@ -84,7 +85,8 @@ def sum_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     for s in replicas:
         for name in ("num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
                      "prefix_cache_hits", "requests_added", "spec_num_drafts",
-                     "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+                     "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                     "kv_cache_capacity_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.spec_accepted_per_pos = [
             a + b for a, b in itertools.zip_longest(total.spec_accepted_per_pos,
@@ -100,7 +102,8 @@ def scheduler_stats(core: Any, requests_added: int = 0) -> SchedulerStats:
     return SchedulerStats(sched.num_running, sched.num_waiting, sched.kv.usage,
                           sched.total_preemptions, sched.kv.stats.queries, sched.kv.stats.hits,
                           requests_added, spec.num_drafts, spec.num_draft_tokens,
-                          spec.num_accepted_tokens, list(spec.accepted_per_pos))
+                          spec.num_accepted_tokens, list(spec.accepted_per_pos),
+                          core.kv_cache_capacity_tokens)
 
 
 @dataclass

@@ -41,7 +41,8 @@ def launcher_env() -> tuple[int, int, int, int]:
         raise RuntimeError(
             f"distributed_executor_backend='external_launcher' needs {', '.join(missing)} in the "
             f"environment, which torchrun sets: run the script with `torchrun --nproc-per-node "
-            f"N script.py` (N = tensor_parallel_size), or choose the 'mp' backend"
+            f"N script.py` (N = tensor_parallel_size x pipeline_parallel_size x "
+            f"prefill_context_parallel_size), or choose the 'mp' backend"
         )
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -58,7 +59,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
         if world != expected:
             raise ValueError(
                 f"the launcher started {world} processes (WORLD_SIZE={world}) but "
-                f"tensor_parallel_size x pipeline_parallel_size = {expected}; make them equal"
+                f"{self.parallel_config.world_formula} = {expected}; make them equal"
             )
         return build_worker(
             self.config, rank=rank, local_rank=local_rank,
@@ -109,9 +110,10 @@ class ExternalLauncherExecutor(UniProcExecutor):
         grammar_output: GrammarOutput | None,
         non_block: bool,
     ) -> ModelRunnerOutput | Future:
-        if self.parallel_config.pipeline_parallel_size == 1:
+        pc = self.parallel_config
+        if pc.pipeline_parallel_size == 1 and pc.prefill_context_parallel_size == 1:
             return super()._execute_step(scheduler_output, grammar_output, non_block)
-        src = self.output_rank
+        src = self.output_rank  # (with PCP, only its rank holds the gathered hidden states)
 
         def step_and_share(worker: Worker) -> ModelRunnerOutput:
             output = worker.execute_step(scheduler_output, grammar_output)

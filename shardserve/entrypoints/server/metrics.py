@@ -41,6 +41,9 @@ class ServerMetrics:
                               registry=r)
         self.preemptions = Gauge("shardserve:num_preemptions",
                                  "Preemptions since start.", ["engine"], registry=r)
+        self.kv_capacity = Gauge("shardserve:kv_cache_capacity_tokens",
+                                 "Tokens the KV cache holds (blocks x block_size x decode "
+                                 "context parallel size).", ["engine"], registry=r)
         self.replicas = Gauge("shardserve:data_parallel_size",
                               "Engine replicas serving requests.", registry=r)
         self.prompt_tokens = Counter("shardserve:prompt_tokens",
@@ -81,6 +84,10 @@ class ServerMetrics:
         self._labelled: set[int] = set()  # replicas with gauges
         self._timings: dict[str, _Timing] = {}
 
+    @property
+    def _engine_gauges(self) -> tuple[Gauge, ...]:
+        return (self.running, self.waiting, self.kv_usage, self.preemptions, self.kv_capacity)
+
     def set_replicas(self, serving: int, indices: list[int]) -> None:
         """How many replicas serve, and the live replicas' gauges (zero until one reports;
         a replica no longer live loses its gauges)."""
@@ -88,13 +95,13 @@ class ServerMetrics:
         for i in self._labelled - set(indices):
             self.remove_replica(i)
         for i in indices:
-            for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
+            for gauge in self._engine_gauges:
                 gauge.labels(engine=str(i))
         self._labelled = set(indices)
 
     def remove_replica(self, index: int) -> None:
         """A replica that stopped (scaled down): its gauges go; the counters keep its work."""
-        for gauge in (self.running, self.waiting, self.kv_usage, self.preemptions):
+        for gauge in self._engine_gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(str(index))
         self._prefix_seen.pop(index, None)
@@ -107,6 +114,7 @@ class ServerMetrics:
         self.waiting.labels(engine=label).set(stats.num_waiting)
         self.kv_usage.labels(engine=label).set(stats.kv_cache_usage)
         self.preemptions.labels(engine=label).set(stats.num_preemptions)
+        self.kv_capacity.labels(engine=label).set(stats.kv_cache_capacity_tokens)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         seen_queries, seen_hits = self._prefix_seen.get(engine, (0, 0))
         self.prefix_queries.inc(max(0, queries - seen_queries))

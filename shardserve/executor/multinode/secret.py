@@ -68,5 +68,7 @@ def _print_headless_commands(config: EngineConfig, secret: str) -> None:
                    f"--master-port {pc.multinode.master_port} "
                    f"--tensor-parallel-size {pc.tensor_parallel_size} "
                    f"--pipeline-parallel-size {pc.pipeline_parallel_size}"
+                   f"{f' -pcp {pcp}' if (pcp := pc.prefill_context_parallel_size) > 1 else ''}"
+                   f"{f' -dcp {dcp}' if (dcp := pc.decode_context_parallel_size) > 1 else ''}"
                    f"{f' --data-parallel-size {dp}' if (dp := pc.data_parallel_size) > 1 else ''}")
         print(f"shardserve: start node {rank} with:\n  {command}", file=sys.stderr, flush=True)

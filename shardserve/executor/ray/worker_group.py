@@ -225,9 +225,12 @@ class RayWorkerGroup:
 
 # ---- what an actor is started with, and how its death reads -----------------------------------
 def actor_name(instance_id: str, rank: int, pc: ParallelConfig) -> str:
-    """`shardserve_<instance>_TP<r>[_PP<s>]`: predictable, unique per engine instance."""
+    """`shardserve_<instance>_TP<r>[_PCP<c>][_PP<s>]`: predictable, unique per engine
+    instance."""
     where = pc.layout.coords(rank)
     name = f"shardserve_{instance_id}_TP{where.tp}"
+    if pc.prefill_context_parallel_size > 1:
+        name += f"_PCP{where.pcp}"
     if pc.pipeline_parallel_size > 1:
         name += f"_PP{where.pp}"
     return name
