@@ -63,13 +63,10 @@ class Scheduler(SchedulerResults):
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
         num_stages: int = 1, speculative_config: SpeculativeConfig | None = None,
-        lora_config: LoRAConfig | None = None, tokens_to_workers: bool = False,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.config = config
         self.num_stages = num_stages
-        # Workers that never see the output rank's samples (stages, context shards) take each
-        # request's new tokens from the scheduler, so a token in flight holds its request back.
-        self.tokens_to_workers = tokens_to_workers or num_stages > 1
         self._seq_cap = 1 << 30  # this step's most requests (see _micro_batch_cap)
         self.kv = kv
         self.max_model_len = max_model_len
@@ -174,7 +171,7 @@ class Scheduler(SchedulerResults):
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
-            if self.tokens_to_workers:
+            if self.num_stages > 1:
                 cached.new_token_ids.append(request.output_token_ids[request.num_output_tokens_sent:])
                 request.num_output_tokens_sent = len(request.output_token_ids)
             if drafts:
@@ -201,7 +198,7 @@ class Scheduler(SchedulerResults):
         """Tokens a running request can compute now: known ones and in-flight placeholders
         not yet scheduled, unless the token in flight is already its last one."""
         placeholders = request.num_output_placeholders
-        if placeholders and (self.tokens_to_workers or self.spec.holds_back(request)):
+        if placeholders and (self.num_stages > 1 or self.spec.holds_back(request)):
             return 0  # the stages (or its drafts) need its token back first
         if placeholders and (
             len(request.output_token_ids) + placeholders >= request.max_output_tokens
