@@ -202,7 +202,8 @@ class LLM:
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters since start: prefix-cache queries and hits (prompt tokens) and the
-        hit rate, preemptions, running and waiting requests, and speculative decoding's verify
+        hit rate, preemptions, running and waiting requests, the KV cache's capacity in tokens
+        (blocks x block_size x decode_context_parallel_size), and speculative decoding's verify
         steps, drafted and accepted tokens, accepted drafts per position (a list), acceptance
         rate and mean acceptance length (tokens a verify step emits: 1 + accepted / steps)
         (summed over data-parallel replicas, as they last reported)."""
@@ -215,6 +216,7 @@ class LLM:
                 "num_preemptions": total.num_preemptions,
                 "num_requests_running": total.num_running,
                 "num_requests_waiting": total.num_waiting,
+                "kv_cache_capacity_tokens": total.kv_cache_capacity_tokens,
                 "spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": drafted,
                 "spec_decode_num_accepted_tokens": accepted,
                 "spec_decode_num_accepted_tokens_per_pos": total.spec_accepted_per_pos,

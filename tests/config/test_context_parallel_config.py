@@ -4,6 +4,7 @@ the flags (long and short), the scheduler's virtual block and the KV capacity ga
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,21 @@ def test_capacity_gauge_per_engine_and_summed():
     assert 'kv_cache_capacity_tokens{engine="1"}' not in metrics.render().decode()
     total = sum_stats([SchedulerStats(kv_cache_capacity_tokens=n) for n in (4096, 2048)])
     assert total.kv_cache_capacity_tokens == 6144
+
+
+def test_engine_reports_its_capacity_in_tokens(tiny_llama_dir, caplog):
+    """One rank, no DCP: blocks x block_size, in the start-up log line and get_metrics; too
+    small a cache for max_model_len is refused counting tokens the same way."""
+    from shardserve import LLM
+
+    options = dict(dtype="float32", max_model_len=32, block_size=4, seed=0)
+    with caplog.at_level(logging.INFO, logger="shardserve.engine.core"):
+        llm = LLM(str(tiny_llama_dir), num_blocks_override=10, **options)
+    try:
+        assert llm.get_metrics()["kv_cache_capacity_tokens"] == 40
+        assert "KV cache: 10 blocks x 4 tokens" in caplog.text
+        assert "capacity 40 tokens (40 per rank)" in caplog.text
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"the KV cache holds 28 tokens \(7 blocks of 4 tokens"):
+        LLM(str(tiny_llama_dir), num_blocks_override=7, **options)
