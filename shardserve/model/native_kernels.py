@@ -49,6 +49,8 @@ QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
 # And the LoRA adapters' share of a projection, grouped by adapter slot (model/lora.py).
 LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_kernels.c"
+# And context-parallel attention: partials with log-sum-exp and their merge (context_parallel.py).
+CP_SOURCE = Path(__file__).parent / "csrc" / "cp_attention.c"
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a `source` copied
 # elsewhere (the tests' broken copy) still finds it.
@@ -105,8 +107,8 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c, decode_layers.c and lora_kernels.c are always compiled in beside
-    `source`."""
+    csrc/quant_kernels.c, decode_layers.c, lora_kernels.c and cp_attention.c are always
+    compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     return lib
@@ -128,7 +130,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE, LORA_SOURCE)
+    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
@@ -187,6 +189,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "decode_layers": [ptr, i64, ptr],
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,
                      i64, i32],
+        "cp_partial_attention": [ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
+                                 i64, i64, f32, i32, i32],
+        "cp_merge": [ptr, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -363,7 +368,8 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, at: torch
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded kernel library (the override inside `using`); RuntimeError without one."""
+    """The loaded kernel library (the override inside `using`); RuntimeError without one.
+    Callers with their own wrappers: fused_decode.py, context_parallel.py."""
     return _lib()
 
 
