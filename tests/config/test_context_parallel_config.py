@@ -201,3 +201,22 @@ def test_engine_reports_its_capacity_in_tokens(tiny_llama_dir, caplog):
         llm.shutdown()
     with pytest.raises(ValueError, match=r"the KV cache holds 28 tokens \(7 blocks of 4 tokens"):
         LLM(str(tiny_llama_dir), num_blocks_override=7, **options)
+
+
+def test_llm_keywords_and_engine_args_build_the_config(tiny_llama_dir):
+    """The ways in that resolve a model: LLM(...)'s keywords and EngineArgs (AsyncLLM's)."""
+    from shardserve.engine.config_builder import engine_config_from_kwargs
+
+    config = engine_config_from_kwargs(str(tiny_llama_dir), prefill_context_parallel_size=2,
+                                       tensor_parallel_size=2)
+    assert config.parallel_config.world_size == 4 and config.virtual_block_size == 16
+    args = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, block_size=8,
+                      decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)
+    config = args.create_engine_config()
+    pc = config.parallel_config
+    assert (pc.world_size, pc.decode_context_parallel_size, pc.cp_kv_cache_interleave_size,
+            config.virtual_block_size) == (2, 2, 4, 16)
+    with pytest.raises(ValueError, match="must divide block_size=8"):
+        EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, block_size=8,
+                   decode_context_parallel_size=2, cp_kv_cache_interleave_size=16,
+                   ).create_engine_config()
