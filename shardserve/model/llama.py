@@ -2,8 +2,9 @@
 
 The model works on a flat token batch (every request's new tokens concatenated) described by
 an `AttentionMetadata`. Layers are tensor-parallel: attention heads and MLP columns are split
-across the TP group, the vocab is split for the embedding and the LM head, and `load_weights`
-takes full HF tensors and lets each layer keep its own slice.
+across the TP group (with more ranks than KV heads each rank holds one KV head whole, the one
+its query heads read: `kv_head_ids`), the vocab is split for the embedding and the LM head, and
+`load_weights` takes full HF tensors and lets each layer keep its own slice.
 
 Per layer the hot path is: norm, one fused qkv matmul, in-place RoPE on q and k together,
 paged attention, o_proj, fused add+norm, one fused gate_up matmul, SiLU*up, down_proj.
