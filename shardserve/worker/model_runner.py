@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 from shardserve.config import EngineConfig, KVCacheConfig
-from shardserve.distributed.parallel_state import get_pp_group, get_tp_group
+from shardserve.distributed.parallel_state import (
+    get_dcp_group,
+    get_pcp_group,
+    get_pp_group,
+    get_tp_group,
+)
 from shardserve.messages import (
     GrammarOutput,
     ModelRunnerOutput,
@@ -40,6 +45,7 @@ from shardserve.model.attention import (
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights
 from shardserve.model.sampler import RequestSamplingState, gather_logprobs
+from shardserve.worker.context_parallel_inputs import ContextParallel, Rows
 from shardserve.worker.lora_worker import WorkerLoRAs
 from shardserve.worker.pooler import RequestPooler
 from shardserve.worker.request_state import CachedRequestState, PendingSample
@@ -73,6 +79,7 @@ class ModelRunner:
         self.idle_gaps: deque[float] = deque(maxlen=100_000)
         self._last_step_end: float | None = None
         self.drafter: Drafter | None = None  # built in load_model, on the output rank only
+        self.cp: ContextParallel | None = None  # context parallelism, built in load_model
         self.loras = WorkerLoRAs(config.lora_config, self.dtype) \
             if config.lora_config is not None else None  # enable_lora: see lora_worker.py
 
@@ -86,6 +93,8 @@ class ModelRunner:
         model.load_weights(iter_weights(self.config.model_config.path,
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
+        self.cp = ContextParallel.build(self.config, self.block_size, get_tp_group(),
+                                        get_pcp_group(), get_dcp_group())
         if self.loras is not None:
             self.loras.attach(self.model)
         if self.config.speculative_config is not None and self._proposes() \
@@ -106,8 +115,14 @@ class ModelRunner:
     def kv_cache_block_bytes(self) -> int:
         model = self._require_model()
         return kv_cache_bytes_per_block(
-            model.num_layers, self.block_size, model.local_num_kv_heads, model.head_dim, self.dtype
+            model.num_layers, self.block_size, self._cache_kv_heads(), model.head_dim, self.dtype
         )
+
+    def _cache_kv_heads(self) -> int:
+        """KV heads of this rank's cache: its own, or with DCP every head of its group."""
+        model = self._require_model()
+        local = model.local_num_kv_heads
+        return local if self.cp is None else self.cp.cache_kv_heads(local)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         model = self._require_model()
@@ -116,7 +131,7 @@ class ModelRunner:
             model.num_layers,
             kv_cache_config.num_blocks,
             kv_cache_config.block_size,
-            model.local_num_kv_heads,
+            self._cache_kv_heads(),
             model.head_dim,
             self.dtype,
             self.device,
@@ -134,7 +149,10 @@ class ModelRunner:
             torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
             for _ in range(2)
         )
-        hidden = model(ids, meta, self._require_kv(), pair)
+        # Its own small cache: a DCP rank's holds its group's heads, not the layers' own.
+        cache = allocate_kv_cache(model.num_layers, 1, self.block_size, model.local_num_kv_heads,
+                                  model.head_dim, self.dtype, self.device)
+        hidden = model(ids, meta, cache, pair)
         if model.is_last:
             model.compute_logits(hidden[meta.logits_indices])
 
@@ -192,10 +210,14 @@ class ModelRunner:
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in order] if spec else [[]] * len(order)
-        input_ids, meta = self._prepare_inputs(states, query_lens, drafts)
+        input_ids, rows = self._prepare_inputs(states, query_lens, drafts)
+        meta = self._metadata(rows)
         if self.loras is not None:  # every token's adapter slot, for this step's layers
             self.loras.prepare([s.lora_request for s in states], query_lens)
-        hidden = self._forward(input_ids, meta)
+        if self.cp is None:
+            hidden = self._forward(input_ids, meta)
+        else:
+            hidden = self.cp.forward(self._forward, input_ids, meta, rows)
         if hidden is None:  # not the last stage: nothing to sample here
             for s, n in zip(states, query_lens, strict=True):
                 s.num_computed_tokens += n
@@ -279,9 +301,15 @@ class ModelRunner:
         out, self._outbound = self._outbound, None
         return out
 
+    def _metadata(self, rows: Rows) -> AttentionMetadata:
+        """The full step's metadata (with DCP its block tables count virtual blocks)."""
+        block_size = self.block_size if self.cp is None else self.cp.scheduler_block_size
+        return AttentionMetadata.build(rows.query_lens, rows.seq_lens, rows.block_tables,
+                                       block_size, self.device)
+
     def _prepare_inputs(
         self, states: list[CachedRequestState], query_lens: list[int], drafts: list[list[int]]
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, Rows]:
         """A request's query: its scheduled known tokens, then the drafts it verifies.
 
         A verifying request's positions go to attention as decode rows, each over the context
@@ -305,10 +333,8 @@ class ModelRunner:
                 rows_q.append(n)
                 rows_seq.append(start + n)
                 rows_blocks.append(s.block_ids)
-        meta = AttentionMetadata.build(rows_q, rows_seq, rows_blocks, self.block_size,
-                                       self.device)
         input_ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
-        return input_ids, meta
+        return input_ids, Rows(rows_q, rows_seq, rows_blocks)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

@@ -1,0 +1,158 @@
+"""Context parallelism on mp: decode context parallel (the KV cache sharded by position over TP
+ranks) and prefill context parallel (a prompt split over ranks): float32 greedy equals HF
+transformers on the default model, chunked prefill of a long prompt with a preemption, the KV
+memory a 1-KV-head model saves, and a killed rank of a context group failing the engine fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardserve import LLM, EngineDeadError, SamplingParams
+from tests.conftest import TP3  # heads that split three ways
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_helpers import generate_until_dead  # noqa: E402
+from greedy_cases import PROMPTS, greedy_tokens  # noqa: E402
+from pp_oracle import assert_matches_hf, oracle_prompt_ids  # noqa: E402
+
+_LAYOUTS = {
+    "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
+    "pcp2": dict(prefill_context_parallel_size=2),
+    "pcp3": dict(prefill_context_parallel_size=3),
+    "pcp2-pp2": dict(prefill_context_parallel_size=2, pipeline_parallel_size=2),
+}
+
+
+def _collective_paths(worker) -> dict[str, tuple[int, int]]:
+    from shardserve.distributed.parallel_state import get_dcp_group, get_pcp_group
+
+    return {name: (g.shm_calls, g.fallback_calls)
+            for name, g in (("pcp", get_pcp_group()), ("dcp", get_dcp_group()))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "async_on"),
+                         [("tp3-dcp3", True), ("pcp2", False), ("pcp3", True),
+                          ("pcp2-pp2", True)],
+                         ids=["tp3-dcp3-async", "pcp2-sync", "pcp3-async", "pcp2-pp2-async"])
+def test_default_model_matches_hf(hf_default_greedy, layout, async_on):
+    llm = LLM(dtype="float32", max_model_len=512, distributed_executor_backend="mp",
+              async_scheduling=async_on, **_LAYOUTS[layout])  # fmt: skip
+    try:
+        assert_matches_hf(llm, hf_default_greedy)
+        paths = llm.collective_rpc(_collective_paths)
+        kind = "dcp" if "dcp" in layout else "pcp"
+        assert all(p[kind][0] > 0 and p[kind][1] == 0 for p in paths), paths  # shared memory
+    finally:
+        llm.shutdown()
+
+
+def test_tp3_pcp2_equals_uni(tp3_model):
+    """Six ranks (PCP=2 x TP=3) on the tiny TP3-shape model, prompts long enough to split."""
+    want = _uni(tp3_model)
+    llm = LLM(str(tp3_model), dtype="float32", max_model_len=128, seed=0,
+              tensor_parallel_size=3, prefill_context_parallel_size=2,
+              distributed_executor_backend="mp")  # fmt: skip
+    try:
+        assert greedy_tokens(llm) == want
+        paths = llm.collective_rpc(_collective_paths)
+        assert all(p["pcp"][0] > 0 for p in paths), paths  # the prompts were really split
+    finally:
+        llm.shutdown()
+
+
+def _uni(model: Path) -> list[list[int]]:
+    llm = LLM(str(model), dtype="float32", max_model_len=128, seed=0)
+    try:
+        return greedy_tokens(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp3_model(tmp_path_factory, tiny_model_builder) -> Path:
+    return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("cp_tp3"), **TP3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pcp2", "tp3-dcp3"])
+def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
+    """A 2,000-token prompt prefilled in chunks of 256 beside three oracle prompts, in a cache
+    too small for all of them at once: one request is preempted and recomputed."""
+    blocks = 132 if layout == "pcp2" else 45  # DCP=3: a block holds 48 tokens
+    llm = LLM(dtype="float32", max_model_len=2048, distributed_executor_backend="mp",
+              max_num_batched_tokens=256, num_blocks_override=blocks,
+              **_LAYOUTS[layout])  # fmt: skip
+    try:
+        tok = llm.get_tokenizer()
+        long_ids = tok.encode(" ".join(f"item {i} is {i * 7 % 13}." for i in range(300)))[:2000]
+        prompts = [long_ids, *oracle_prompt_ids(tok)[:3]]
+        params = SamplingParams(max_tokens=32, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.core.scheduler.total_preemptions > 0
+        for ids, out in zip(prompts, outs, strict=True):
+            assert out.outputs[0].token_ids == hf_default_greedy(ids, 32)
+    finally:
+        llm.shutdown()
+
+
+def _kv_facts(worker) -> tuple[int, int]:
+    runner = worker.model_runner
+    return runner.kv_cache_block_bytes(), runner.kv_caches[0].shape[3]
+
+
+def test_one_kv_head_dcp_halves_the_kv_per_token(tiny_model_builder, tmp_path):
+    """1 KV head at TP=2: both ranks hold the same head; with DCP=2 each holds half the
+    positions. Same bytes a block, twice the tokens a block, so twice the token capacity from
+    the same memory; outputs equal uni."""
+    model = tiny_model_builder("LlamaForCausalLM", tmp_path / "kv1", num_attention_heads=4,
+                               num_key_value_heads=1)
+    want = _uni(model)
+    capacity = {}
+    for dcp in (1, 2):
+        llm = LLM(str(model), dtype="float32", max_model_len=128, seed=0,
+                  tensor_parallel_size=2, decode_context_parallel_size=dcp,
+                  kv_cache_memory_bytes=4 << 20, distributed_executor_backend="mp")  # fmt: skip
+        try:
+            assert greedy_tokens(llm) == want
+            facts = llm.collective_rpc(_kv_facts)
+            kv = llm.engine.core.kv_cache_config
+            capacity[dcp] = (facts, kv.num_blocks * kv.block_size * dcp)
+        finally:
+            llm.shutdown()
+    (facts1, tokens1), (facts2, tokens2) = capacity[1], capacity[2]
+    assert facts1 == facts2  # same bytes per block of block_size slots, one head
+    assert tokens2 == 2 * tokens1, capacity
+
+
+@pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.parametrize("layout", ["pcp2", "tp2-dcp2"])
+def test_killed_rank_of_a_context_group_fails_fast(tiny_llama_dir, layout):
+    sizes = (dict(prefill_context_parallel_size=2) if layout == "pcp2"
+             else dict(tensor_parallel_size=2, decode_context_parallel_size=2))
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
+              distributed_executor_backend="mp", **sizes)  # fmt: skip
+    victim = llm.engine.core.executor.workers[1]
+    try:
+        killer = threading.Timer(0.5, os.kill, (victim.pid, signal.SIGKILL))
+        killer.start()
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as err:
+            generate_until_dead(llm, PROMPTS, params)
+        elapsed = time.monotonic() - started - 0.5
+        assert elapsed < 5.0  # the promise is 1 s; loose for a loaded 2-core machine
+        where = "context shard 1" if layout == "pcp2" else "rank 1"
+        for part in ("rank 1", where, "SIGKILL"):
+            assert part in str(err.value), err.value
+    finally:
+        killer.cancel()
+        llm.shutdown()
