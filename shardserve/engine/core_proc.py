@@ -118,6 +118,8 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         try:
+            # The figures known from the start (the KV capacity gauge) before any request.
+            self._send(EngineOutputs([], self._stats()))
             self._loop()
         finally:
             self.input.close(linger=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 
 import httpx
@@ -190,8 +191,10 @@ def test_models_health_version_metrics_and_auth(tiny_server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket"):
+                 "e2e_request_latency_seconds_bucket", "kv_cache_capacity_tokens"):
         assert f"shardserve:{name}" in metrics, name
+    capacity = re.search(r'kv_cache_capacity_tokens\{engine="0"\} (\S+)', metrics)
+    assert capacity and float(capacity.group(1)) >= 512  # at least max_model_len, from start-up
     models = httpx.get(f"{url}/v1/models", headers=tiny_server.headers).json()
     assert models["data"][0]["max_model_len"] == 512
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
