@@ -110,10 +110,9 @@ class ExternalLauncherExecutor(UniProcExecutor):
         grammar_output: GrammarOutput | None,
         non_block: bool,
     ) -> ModelRunnerOutput | Future:
-        pc = self.parallel_config
-        if pc.pipeline_parallel_size == 1 and pc.prefill_context_parallel_size == 1:
+        if self.parallel_config.pipeline_parallel_size == 1:  # every rank samples the same
             return super()._execute_step(scheduler_output, grammar_output, non_block)
-        src = self.output_rank  # (with PCP, only its rank holds the gathered hidden states)
+        src = self.output_rank
 
         def step_and_share(worker: Worker) -> ModelRunnerOutput:
             output = worker.execute_step(scheduler_output, grammar_output)
