@@ -127,24 +127,30 @@ static inline void load_row(float *restrict dst, const char *src, int64_t n, int
     for (; d < n; d++) dst[d] = bf16_to_f32(h[d]);
 }
 
-/* K and V rows of n <= KC slots into kb, vb [KC, D] as float32; slots beyond n are zero
- * (finite: they meet q in the scores, then weigh 0). */
-static void load_chunk(float *restrict kb, float *restrict vb, const char *k0, const char *v0,
-                       int64_t n, int64_t D, size_t slot_bytes, int dtype) {
+/* A chunk's K and V rows as float32, `stride` elements apart: float32 caches are read where
+ * they lie; bfloat16 rows are converted into kb, vb [KC, D]. */
+typedef struct {
+    const float *k, *v;
+    int64_t stride, n;
+} chunk;
+
+static chunk load_chunk(float *restrict kb, float *restrict vb, const char *k0, const char *v0,
+                        int64_t n, int64_t D, size_t slot_bytes, int dtype) {
+    if (dtype == DT_F32)
+        return (chunk){(const float *)k0, (const float *)v0, (int64_t)(slot_bytes / 4), n};
     for (int64_t k = 0; k < n; k++) {
         load_row(kb + k * D, k0 + k * slot_bytes, D, dtype);
         load_row(vb + k * D, v0 + k * slot_bytes, D, dtype);
     }
-    memset(kb + n * D, 0, sizeof(float) * (size_t)((KC - n) * D));
-    memset(vb + n * D, 0, sizeof(float) * (size_t)((KC - n) * D));
+    return (chunk){kb, vb, D, n};
 }
 
-/* Scores of many query vectors: K transposed once (kt [D, KC]), then QB vectors at a time
- * s_i += q_i[d] * kt[d], one kt row load per QB FMAs, no horizontal sums. */
-static void scores_t(float *restrict s, const float *restrict q, float *restrict kt,
-                     const float *restrict kb, int64_t nq, int64_t D) {
+/* Scores of many query vectors: K transposed once (kt [D, KC], zero beyond n), then QB vectors
+ * at a time s_i += q_i[d] * kt[d], one kt row load per QB FMAs, no horizontal sums. */
+static void scores_t(float *restrict s, const float *restrict q, float *restrict kt, chunk c,
+                     int64_t nq, int64_t D) {
     for (int64_t k = 0; k < KC; k++)
-        for (int64_t d = 0; d < D; d++) kt[d * KC + k] = kb[k * D + d];
+        for (int64_t d = 0; d < D; d++) kt[d * KC + k] = k < c.n ? c.k[k * c.stride + d] : 0.f;
     for (int64_t i = 0; i < nq; i += QB) {
         v16 a[QB] = {{0}};
         for (int64_t d = 0; d < D; d++) {
@@ -155,19 +161,38 @@ static void scores_t(float *restrict s, const float *restrict q, float *restrict
     }
 }
 
+/* Lanes of x and y reduced pairwise in groups of g: lanes [2jg, 2jg + g) of the 32 lanes of
+ * (x, y) plus the g lanes after them. Four rounds (g = 8, 4, 2, 1) turn 16 vectors into one
+ * whose lane k is the sum of vector k: 15 rounds of 2 shuffles and an add, not 16 trees. */
+#define HALVES(x, y, g)                                                                        \
+    (__builtin_shuffle(x, y, LANES(g, 0)) + __builtin_shuffle(x, y, LANES(g, 1)))
+#define L(g, h, j) (((j) / (g)) * 2 * (g) + (h) * (g) + (j) % (g))
+#define LANES(g, h)                                                                            \
+    ((v16i){L(g, h, 0), L(g, h, 1), L(g, h, 2), L(g, h, 3), L(g, h, 4), L(g, h, 5),            \
+            L(g, h, 6), L(g, h, 7), L(g, h, 8), L(g, h, 9), L(g, h, 10), L(g, h, 11),          \
+            L(g, h, 12), L(g, h, 13), L(g, h, 14), L(g, h, 15)})
+
+static inline v16 transpose_sums(v16 a[KC]) {
+    for (int j = 0; j < 8; j++) a[j] = HALVES(a[2 * j], a[2 * j + 1], 8);
+    for (int j = 0; j < 4; j++) a[j] = HALVES(a[2 * j], a[2 * j + 1], 4);
+    for (int j = 0; j < 2; j++) a[j] = HALVES(a[2 * j], a[2 * j + 1], 2);
+    return HALVES(a[0], a[1], 1);
+}
+
 /* Scores of a few query vectors (decode: G per task), where a transpose would cost more than
- * it saves: per key a dot product, 16 columns a step, one horizontal sum. */
-static void scores_rows(float *restrict s, const float *restrict q, const float *restrict kb,
-                        int64_t nq, int64_t D) {
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t k = 0; k < KC; k++) {
-            v16 a = {0};
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) a += ld16(q + i * D + d) * ld16(kb + k * D + d);
-            float r = hsum(a);
-            for (; d < D; d++) r += q[i * D + d] * kb[k * D + d];
-            s[i * KC + k] = r;
+ * it saves: per key a dot product 16 columns a step, then one transpose_sums. D % 16 == 0. */
+static void scores_rows(float *restrict s, const float *restrict q, chunk c, int64_t nq,
+                        int64_t D) {
+    for (int64_t i = 0; i < nq; i++) {
+        v16 a[KC];
+        for (int k = 0; k < KC; k++) {
+            a[k] = splat(0.f);
+            if (k < c.n)
+                for (int64_t d = 0; d < D; d += 16)
+                    a[k] += ld16(q + i * D + d) * ld16(c.k + k * c.stride + d);
         }
+        st16(s + i * KC, transpose_sums(a));
+    }
 }
 
 /* Online-softmax step of one query vector: its first `vis` scores of s become weights
@@ -191,16 +216,16 @@ static void softmax_step(float *restrict s, int64_t vis, float *m, float *restri
 }
 
 /* acc_i = acc_i * c_i + sum_k p_i[k] V_k for QB query vectors at a time, 16 columns kept in
- * registers while the n keys stream by (one V load per QB FMAs). */
+ * registers while the chunk's keys stream by (one V load per QB FMAs). */
 static void add_values(float *restrict acc, const float *restrict c, const float *restrict p,
-                       const float *restrict vb, int64_t nq, int64_t n, int64_t D) {
+                       chunk ch, int64_t nq, int64_t D) {
     for (int64_t i = 0; i < nq; i += QB) {
         int64_t d0 = 0;
         for (; d0 + 16 <= D; d0 += 16) {
             v16 a[QB];
             for (int b = 0; b < QB; b++) a[b] = ld16(acc + (i + b) * D + d0) * c[i + b];
-            for (int64_t k = 0; k < n; k++) {
-                const v16 v = ld16(vb + k * D + d0);
+            for (int64_t k = 0; k < ch.n; k++) {
+                const v16 v = ld16(ch.v + k * ch.stride + d0);
                 for (int b = 0; b < QB; b++) a[b] += p[(i + b) * KC + k] * v;
             }
             for (int b = 0; b < QB; b++) st16(acc + (i + b) * D + d0, a[b]);
@@ -208,7 +233,7 @@ static void add_values(float *restrict acc, const float *restrict c, const float
         for (; d0 < D; d0++)
             for (int b = 0; b < QB; b++) {
                 float a = acc[(i + b) * D + d0] * c[i + b];
-                for (int64_t k = 0; k < n; k++) a += p[(i + b) * KC + k] * vb[k * D + d0];
+                for (int64_t k = 0; k < ch.n; k++) a += p[(i + b) * KC + k] * ch.v[k * ch.stride + d0];
                 acc[(i + b) * D + d0] = a;
             }
     }
@@ -266,6 +291,34 @@ static int64_t tile_keys(const cp_args *a, int64_t t0, int64_t nrows) {
     return nkeys;
 }
 
+/* Keys of the chunk from `start`: up to KC, never across a block end. */
+static inline int64_t chunk_len(int64_t start, int64_t nkeys, int64_t bs) {
+    const int64_t n = nkeys - start < KC ? nkeys - start : KC, in_block = bs - start % bs;
+    return n < in_block ? n : in_block;
+}
+
+/* Local key j's slot in the cache (blocks: the request's block table row). */
+static inline const char *slot_at(const cp_args *a, const int64_t *blocks, int64_t j) {
+    const size_t slot_bytes = 2 * a->Hkv * a->D * (a->dtype == DT_F32 ? 4 : 2);
+    return (const char *)a->cache + (size_t)(blocks[j / a->bs] * a->bs + j % a->bs) * slot_bytes;
+}
+
+/* Ask for the next chunk's K and V rows of kv head kvh while this one computes: blocks lie
+ * scattered in the pool, so the hardware prefetcher loses the stream at each block end (as in
+ * cpu_kernels.c's decode_attention; into L2). */
+static void prefetch_chunk(const cp_args *a, const int64_t *blocks, int64_t start,
+                           int64_t nkeys, int64_t kvh) {
+    if (start >= nkeys) return;
+    const size_t esize = a->dtype == DT_F32 ? 4 : 2, row = (size_t)a->D * esize;
+    const size_t slot_bytes = 2 * (size_t)a->Hkv * row;
+    const char *k0 = slot_at(a, blocks, start) + kvh * row, *v0 = k0 + a->Hkv * row;
+    for (int64_t k = 0; k < chunk_len(start, nkeys, a->bs); k++)
+        for (size_t off = 0; off < row; off += 64) {
+            __builtin_prefetch(k0 + k * slot_bytes + off, 0, 2);
+            __builtin_prefetch(v0 + k * slot_bytes + off, 0, 2);
+        }
+}
+
 /* One task: rows t0 .. t0+nrows-1 (one request) against kv head kvh of their shard. */
 static void tile_task(const cp_args *a, int64_t t0, int64_t nrows, int64_t kvh, float *buf) {
     const int64_t G = a->H / a->Hkv, D = a->D, bs = a->bs, real = nrows * G;
@@ -274,23 +327,21 @@ static void tile_task(const cp_args *a, int64_t t0, int64_t nrows, int64_t kvh, 
     const tile_buf b = carve(buf, G, D);
     const int64_t *blocks = a->block_table + a->row_req[t0] * a->bt_stride;
     start_tile(a, t0, nrows, kvh, nq, &b);
-    int64_t n;
-    for (int64_t start = 0; start < nkeys; start += n) {
-        n = nkeys - start < KC ? nkeys - start : KC;
-        if (bs - start % bs < n) n = bs - start % bs; /* a chunk never crosses a block end */
-        const char *slot0 = (const char *)a->cache
-                            + (size_t)(blocks[start / bs] * bs + start % bs) * slot_bytes;
-        load_chunk(b.kb, b.vb, slot0 + (size_t)(kvh * D) * esize,
-                   slot0 + (size_t)((a->Hkv + kvh) * D) * esize, n, D, slot_bytes, a->dtype);
-        if (nq >= TRANSPOSE_MIN)
-            scores_t(b.s, b.qf, b.kt, b.kb, nq, D);
+    for (int64_t start = 0, n; start < nkeys; start += n) {
+        n = chunk_len(start, nkeys, bs);
+        const char *slot0 = slot_at(a, blocks, start) + (size_t)(kvh * D) * esize;
+        prefetch_chunk(a, blocks, start + n, nkeys, kvh);
+        const chunk ch = load_chunk(b.kb, b.vb, slot0, slot0 + (size_t)(a->Hkv * D) * esize, n,
+                                    D, slot_bytes, a->dtype);
+        if (nq >= TRANSPOSE_MIN || D % 16)
+            scores_t(b.s, b.qf, b.kt, ch, nq, D);
         else
-            scores_rows(b.s, b.qf, b.kb, nq, D);
+            scores_rows(b.s, b.qf, ch, nq, D);
         for (int64_t i = 0; i < nq; i++) {
             const int64_t vis = i < real ? a->num_visible[t0 + i / G] - start : 0;
             softmax_step(b.s + i * KC, vis < n ? vis : n, b.m + i, b.l + i * KC, b.c + i);
         }
-        add_values(b.acc, b.c, b.s, b.vb, nq, n, D);
+        add_values(b.acc, b.c, b.s, ch, nq, D);
     }
     finish_tile(a, t0, nrows, kvh, &b);
 }
