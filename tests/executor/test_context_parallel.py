@@ -124,8 +124,7 @@ def test_one_kv_head_dcp_halves_the_kv_per_token(tiny_model_builder, tmp_path):
         try:
             assert greedy_tokens(llm) == want
             facts = llm.collective_rpc(_kv_facts)
-            kv = llm.engine.core.kv_cache_config
-            capacity[dcp] = (facts, kv.num_blocks * kv.block_size * dcp)
+            capacity[dcp] = (facts, llm.get_metrics()["kv_cache_capacity_tokens"])
         finally:
             llm.shutdown()
     (facts1, tokens1), (facts2, tokens2) = capacity[1], capacity[2]

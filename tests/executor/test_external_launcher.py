@@ -30,13 +30,13 @@ SCRIPT = textwrap.dedent(
     import json, os, pickle, sys
     from shardserve import LLM
     model, work, tp, pp, async_on = sys.argv[1:6]
-    spec = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+    extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}  # more LLM options
     with open(work, "rb") as f:
         prompts, params, lora = pickle.load(f)
     llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=int(tp),
               pipeline_parallel_size=int(pp), async_scheduling=async_on == "1",
-              distributed_executor_backend="external_launcher", speculative_config=spec,
-              enable_lora=lora is not None, max_lora_rank=8)
+              distributed_executor_backend="external_launcher",
+              enable_lora=lora is not None, max_lora_rank=8, **extra)
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     accepted = llm.get_metrics()["spec_decode_num_accepted_tokens"]
@@ -82,7 +82,7 @@ def test_torchrun_speculative_decoding_equals_uni(echo_model, tmp_path) -> None:
     want = _uni(echo_model, prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
-    got = _torchrun(echo_model, tmp_path, prompts, 1, 2, False, spec)
+    got = _torchrun(echo_model, tmp_path, prompts, 1, 2, False, {"speculative_config": spec})
     assert all(tokens == want for tokens, _, _ in got), (got, want)
     assert all(accepted > 0 for _, accepted, _ in got), got  # drafts were really verified
 
@@ -96,22 +96,47 @@ def _uni(model, prompts: list) -> list[list[int]]:
 
 
 def _torchrun(model, tmp_path, prompts: list, tp: int, pp: int, async_on: bool,
-              spec: dict | None = None, lora: LoRARequest | None = None) -> list[list]:
+              extra: dict | None = None, lora: LoRARequest | None = None,
+              params: SamplingParams | list[SamplingParams] | None = None,
+              nproc: int | None = None
+              ) -> list[list]:
     """Each rank's [tokens, drafts accepted, adapter results or None] from SCRIPT under
-    torchrun."""
+    torchrun (`extra`: more LLM options; `nproc`: the ranks, tp x pp unless given)."""
     script, work = tmp_path / "ranks.py", tmp_path / "work.pkl"
     script.write_text(SCRIPT)
-    work.write_bytes(pickle.dumps((prompts, PARAMS, lora)))
+    work.write_bytes(pickle.dumps((prompts, params or PARAMS, lora)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    nproc = nproc or tp * pp
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(tp * pp), str(script), str(model), str(work),
-         str(tp), str(pp), "1" if async_on else "0"] + ([json.dumps(spec)] if spec else []),
+         "--nproc-per-node", str(nproc), str(script), str(model), str(work),
+         str(tp), str(pp), "1" if async_on else "0"] + ([json.dumps(extra)] if extra else []),
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"work.pkl.rank{rank}.json").read_text())
-            for rank in range(tp * pp)]  # fmt: skip
+            for rank in range(nproc)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "extra", "async_on"), [
+    (1, {"prefill_context_parallel_size": 2}, True),
+    (3, {"decode_context_parallel_size": 3}, False)], ids=["pcp2-async", "tp3-dcp3-sync"])
+def test_torchrun_context_parallel_matches_hf(default_model_path, hf_default_greedy, tmp_path,
+                                              tp, extra, async_on) -> None:
+    """The default model, float32 greedy on the HF oracle's prompts: every rank's engine
+    returns HF's tokens."""
+    from shardserve.model.tokenizer import load_tokenizer_from
+    from tests.entrypoints.pp_oracle import oracle_prompt_ids
+
+    ids = oracle_prompt_ids(load_tokenizer_from(default_model_path))
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    nproc = tp * extra.get("prefill_context_parallel_size", 1)
+    got = _torchrun(default_model_path, tmp_path, prompts, tp, 1, async_on, extra,
+                    params=greedy, nproc=nproc)
+    want = [hf_default_greedy(p, 32) for p in ids]
+    assert all(tokens == want for tokens, _, _ in got), (got, want)
 
 
 def test_without_a_launcher_the_error_says_how(tiny_llama_dir, monkeypatch) -> None:

@@ -226,6 +226,24 @@ def test_tiny_model_across_two_nodes_equals_uni(four_layer_model, pp_uni_results
             assert paths[0]["pp_shm"] == 0, paths
 
 
+def _pcp_paths(worker) -> tuple[int, int]:
+    from shardserve.distributed.parallel_state import get_pcp_group
+
+    return get_pcp_group().shm_calls, get_pcp_group().fallback_calls
+
+
+def test_pcp_group_across_two_nodes_equals_uni(four_layer_model, pp_uni_results, cluster_env,
+                                               no_leftovers):
+    """PCP=2 with one context shard on each node: the prompt's halves meet over gloo."""
+    tokens, stop_text, want = pp_uni_results
+    flags = ["--prefill-context-parallel-size", "2", "--max-model-len", "128"]
+    with two_nodes(four_layer_model, cluster_env, flags, max_model_len=128, seed=0,
+                   prefill_context_parallel_size=2) as (llm, _):
+        assert run_cases(llm, tokens, stop_text) == want
+        shm, gloo = llm.collective_rpc(_pcp_paths)[0]
+        assert shm == 0 and gloo > 0, (shm, gloo)
+
+
 def _pid(worker) -> int:
     return os.getpid()
 

@@ -225,3 +225,34 @@ def test_speculative_decoding_on_every_ray_path(ray_cluster, echo_model, path_id
         assert results == reference
     finally:
         llm.shutdown()
+
+
+# Context parallelism on every Ray path, the default model against HF: each layout on two
+# paths, async scheduling on for one and off for the other (mp runs every layout:
+# test_context_parallel.py).
+CONTEXT_PARALLEL = {
+    "pcp2": dict(tensor_parallel_size=1, prefill_context_parallel_size=2),
+    "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("path_id", "layout", "async_on"), [
+    ("ray-actor-calls", "tp3-dcp3", False), ("ray-compiled-graph", "pcp2", True),
+    ("ray_v2", "pcp2", False), ("ray_v2", "tp3-dcp3", True)])
+def test_context_parallel_matches_hf(ray_cluster, default_model_path, hf_default_greedy,
+                                     path_id, layout, async_on):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
+    from pp_oracle import assert_matches_hf
+
+    before = our_segments()
+    llm = _llm(default_model_path, path_id, max_model_len=512, async_scheduling=async_on,
+               **CONTEXT_PARALLEL[layout])
+    try:
+        assert_matches_hf(llm, hf_default_greedy)
+    finally:
+        llm.shutdown()
+    nothing_left(before)
