@@ -146,12 +146,8 @@ class EngineConfig:
         _resolve_lora(self)
         arch = self.model_config.arch
         tp = self.parallel_config.tensor_parallel_size
-        if tp not in arch.valid_tp_sizes(max(tp, 1)):
-            raise ValueError(
-                f"tensor_parallel_size={tp} cannot shard this model ({arch.num_heads} attention "
-                f"heads, {arch.num_kv_heads} KV heads); sizes that divide both: "
-                f"{arch.valid_tp_sizes(16)}"
-            )
+        if problem := arch.tp_size_error(tp):
+            raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: {problem}")
         pc = self.parallel_config
         _check(
             pc.pipeline_parallel_size <= arch.num_layers,
