@@ -35,36 +35,52 @@ from shardserve.model.context_parallel import merge_partials, partial_attention
 
 
 @dataclass
+class ShardRows:
+    """A step's rows against this rank's shard of the KV cache (DCP)."""
+
+    owned_rows: torch.Tensor  # int64 rows of the step whose position this rank owns
+    owned_slots: torch.Tensor  # int64 their local cache slots
+    row_req: torch.Tensor  # int64 [T] request row of block_table of each row
+    num_visible: torch.Tensor  # int64 [T] local keys each row attends (a prefix, causal)
+    block_table: torch.Tensor  # int64 [R, W]
+
+    def write_and_attend(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor
+                         ) -> torch.Tensor:
+        """Store the owned rows of kv [T, 2, Hkv, D]; every row's partial attention over the
+        shard, packed as (out | lse): [T, H, D + 1] float32."""
+        if self.owned_rows.numel():
+            write_kv(kv_cache, kv.index_select(0, self.owned_rows).contiguous(),
+                     self.owned_slots)
+        out, lse = partial_attention(q.contiguous(), kv_cache, self.block_table, self.row_req,
+                                     self.num_visible, q.shape[-1] ** -0.5)
+        return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
+
+
+def _merge_packed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, T, H, D + 1] packed partials of n shards -> [T, H * D] in `dtype`."""
+    n, t, heads, d1 = parts.shape
+    merged = merge_partials(parts[..., :d1 - 1].contiguous(), parts[..., d1 - 1].contiguous())
+    return merged.to(dtype).reshape(t, heads * (d1 - 1))
+
+
+@dataclass
 class DecodeContextStep:
     """DCP: this rank's part of a step whose KV is sharded by position (see module docstring)."""
 
     group: GroupCoordinator
-    owned_rows: torch.Tensor  # int64 rows of the flat batch whose position this rank owns
-    owned_slots: torch.Tensor  # int64 their local cache slots
-    row_req: torch.Tensor  # int64 [T] request row of block_table of each flat row
-    num_visible: torch.Tensor  # int64 [T] local keys each row attends (a prefix, causal)
-    block_table: torch.Tensor  # int64 [R, W]
+    rows: ShardRows
     kv_select: torch.Tensor | None  # gathered KV heads the group stores (None: all, in order)
 
     def attention(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-        t, local_heads, head_dim = q.shape
-        me = self.group.rank
+        local_heads, me = q.shape[1], self.group.rank
         q_all = self.group.all_gather(q, dim=1)
         kv_all = self.group.all_gather(kv, dim=2)
         if self.kv_select is not None:
             kv_all = kv_all.index_select(2, self.kv_select)
-        if self.owned_rows.numel():
-            write_kv(kv_cache, kv_all.index_select(0, self.owned_rows).contiguous(),
-                     self.owned_slots)
-        out, lse = partial_attention(q_all.contiguous(), kv_cache, self.block_table,
-                                     self.row_req, self.num_visible, head_dim ** -0.5)
-        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [T, n*Hl, D + 1]
+        packed = self.rows.write_and_attend(q_all, kv_all, kv_cache)  # [T, n*Hl, D + 1]
         parts = self.group.all_gather(packed.unsqueeze(0), dim=0)  # [n, T, n*Hl, D + 1]
-        mine = parts[:, :, me * local_heads:(me + 1) * local_heads]
-        merged = merge_partials(mine[..., :head_dim].contiguous(),
-                                mine[..., head_dim].contiguous())
-        return merged.to(q.dtype).reshape(t, local_heads * head_dim)
+        return _merge_packed(parts[:, :, me * local_heads:(me + 1) * local_heads], q.dtype)
 
 
 @dataclass
@@ -91,3 +107,38 @@ class PrefillContextStep:
             write_kv(kv_cache, gathered.index_select(0, self.recv_index).contiguous(),
                      self.recv_slots)
         return attend(q, kv, kv_cache, meta)
+
+
+@dataclass
+class ShardedPrefillStep:
+    """PCP with DCP over the same ranks (dcp = pcp): the context shards compute different rows
+    and each stores only the positions it owns, of every row.
+
+    rank r:  rejoin the full step's q and K/V (its own rows, the others' split rows gathered)
+             write the full step's rows it owns at their local slots
+             partial attention of every row of the full step over its shard
+             all-gather (out | lse) over the group; merge the partials of its own rows
+    Every rank attends 1/dcp of every row's keys, so the work is even whatever the split.
+    """
+
+    rejoin: PrefillContextStep | None  # the split rows' gather (None: no row split)
+    group: GroupCoordinator  # the DCP group (the same ranks as the PCP group)
+    local_index: torch.Tensor  # int64 [T_local] full-step row of each local row
+    recv_full: torch.Tensor  # int64 full-step rows of rejoin.recv_index
+    num_full: int
+    shard: ShardRows  # the full step's rows against this rank's shard
+
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rejoin is None:  # every rank holds every row
+            return x.contiguous()
+        full = x.new_empty((self.num_full, *x.shape[1:]))
+        full[self.local_index] = x
+        gathered = self.rejoin.gather_rows(x)
+        full[self.recv_full] = gathered.index_select(0, self.rejoin.recv_index)
+        return full
+
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        packed = self.shard.write_and_attend(self._full(q), self._full(kv), kv_cache)
+        parts = self.group.all_gather(packed.unsqueeze(0), dim=0)  # [n, N_full, H, D + 1]
+        return _merge_packed(parts.index_select(1, self.local_index), q.dtype)

@@ -36,7 +36,12 @@ from shardserve.config.model_arch import kv_heads_of_rank
 from shardserve.distributed.parallel_state import GroupCoordinator
 from shardserve.model.attention import AttentionMetadata
 from shardserve.model.context_parallel import ContextShards, rank_token_indices
-from shardserve.model.context_parallel_step import DecodeContextStep, PrefillContextStep
+from shardserve.model.context_parallel_step import (
+    DecodeContextStep,
+    PrefillContextStep,
+    ShardedPrefillStep,
+    ShardRows,
+)
 
 
 @dataclass
@@ -71,9 +76,8 @@ class DcpHeads:
         return cls(heads, None if select == list(range(len(gathered))) else select)
 
 
-def dcp_step(group: GroupCoordinator, shards: ContextShards, heads: DcpHeads,
-             meta: AttentionMetadata, rows: Rows) -> DecodeContextStep:
-    """The step's DCP object from the full step's metadata (built with virtual blocks)."""
+def shard_rows(shards: ContextShards, meta: AttentionMetadata, rows: Rows) -> ShardRows:
+    """The full step's rows against this rank's shard, from its metadata (virtual blocks)."""
     q = torch.tensor(rows.query_lens, dtype=torch.int64)
     row_req = torch.repeat_interleave(torch.arange(len(q)), q)
     positions = meta.positions.cpu()
@@ -85,11 +89,10 @@ def dcp_step(group: GroupCoordinator, shards: ContextShards, heads: DcpHeads,
     bs = shards.block_size
     slots = table[row_req[owned], local // bs] * bs + local % bs
     device = meta.positions.device
-    return DecodeContextStep(
-        group=group, owned_rows=owned.to(device), owned_slots=slots.to(device),
-        row_req=row_req.to(device), num_visible=shards.num_local(positions + 1).to(device),
-        block_table=table.to(device),
-        kv_select=None if heads.select is None else torch.tensor(heads.select).to(device))
+    return ShardRows(owned_rows=owned.to(device), owned_slots=slots.to(device),
+                     row_req=row_req.to(device),
+                     num_visible=shards.num_local(positions + 1).to(device),
+                     block_table=table.to(device))
 
 
 @dataclass
@@ -188,10 +191,11 @@ class ContextParallel:
         if pc.prefill_context_parallel_size == 1 and pc.decode_context_parallel_size == 1:
             return None
         shards = heads = None
-        if dcp.world_size > 1:  # within a TP group: consecutive TP ranks
+        if dcp.world_size > 1:
             shards = ContextShards(size=dcp.world_size, rank=dcp.rank,
                                    interleave=pc.cp_kv_cache_interleave_size,
                                    block_size=block_size)
+        if dcp.world_size > 1 and pcp.world_size == 1:  # within a TP group: consecutive ranks
             arch = config.model_config.arch
             first = tp.rank - dcp.rank
             heads = DcpHeads.of_group(arch.num_heads, arch.num_kv_heads, tp.world_size,
@@ -211,17 +215,31 @@ class ContextParallel:
                 ) -> torch.Tensor | None:
         """run(input_ids, meta) on this rank's part of the full step `meta`/`rows`; the full
         step's hidden states (None on a stage that is not the last)."""
-        if self.shards is not None:
-            assert self.heads is not None
-            meta.context = dcp_step(self.dcp, self.shards, self.heads, meta, rows)
+        if self.pcp.world_size == 1:  # DCP within TP: every rank runs the whole step
+            assert self.shards is not None and self.heads is not None
+            select = None if self.heads.select is None \
+                else torch.tensor(self.heads.select).to(input_ids.device)
+            meta.context = DecodeContextStep(self.dcp, shard_rows(self.shards, meta, rows),
+                                             select)
             return run(input_ids, meta)
         split = split_prefills(self.pcp, rows, meta.slot_mapping, input_ids.device)
-        if split.step is None:  # every rank runs the whole step
-            hidden = run(input_ids, meta)
+        if self.shards is not None:  # DCP over the context shards
+            local = self._local_meta(split, meta, input_ids.device)
+            local.context = ShardedPrefillStep(split.step, self.dcp, split.local_index,
+                                               split.recv_full, meta.num_tokens,
+                                               shard_rows(self.shards, meta, rows))
+        elif split.step is None:  # nothing split: every rank runs the whole step
+            local = meta
         else:
-            local = AttentionMetadata.build(split.rows.query_lens, split.rows.seq_lens,
-                                            split.rows.block_tables, self.block_size,
-                                            input_ids.device)
+            local = self._local_meta(split, meta, input_ids.device)
             local.context = split.step
-            hidden = run(input_ids.index_select(0, split.local_index), local)
+        hidden = run(input_ids.index_select(0, split.local_index), local)
         return None if hidden is None else split.gather_hidden(hidden, meta.num_tokens)
+
+    def _local_meta(self, split: PrefillSplit, meta: AttentionMetadata, device: torch.device
+                    ) -> AttentionMetadata:
+        if split.step is None:
+            return meta
+        r = split.rows
+        return AttentionMetadata.build(r.query_lens, r.seq_lens, r.block_tables,
+                                       self.scheduler_block_size, device)

@@ -49,9 +49,6 @@ def engine_config(parallel: ParallelConfig, *, block_size: int = 16, **options) 
                                                    "1, PCP or TP x PCP", "[1, 2, 4]"]),
     ({"tensor_parallel_size": 3, PCP: 2, DCP: 3}, ["decode_context_parallel_size=3",
                                                    "[1, 2, 6]"]),
-    ({"tensor_parallel_size": 2, PCP: 2, DCP: 2}, ["not built yet",
-                                                   "decode_context_parallel_size=2",
-                                                   "prefill_context_parallel_size=2"]),
     ({"tensor_parallel_size": 2, PCP: 2, DCP: 4}, ["not built yet",
                                                    "decode_context_parallel_size=4"]),
     ({INTERLEAVE: 0}, ["cp_kv_cache_interleave_size=0", ">= 1"]),
@@ -115,6 +112,8 @@ def test_pooling_refuses_pcp_but_takes_dcp():
     ({"tensor_parallel_size": 2, PCP: 2}, 4),
     ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, PCP: 2}, 8),
     ({"tensor_parallel_size": 2, PCP: 2, DCP: 1, "data_parallel_size": 2}, 4),
+    ({PCP: 2, DCP: 2}, 2),
+    ({"tensor_parallel_size": 2, PCP: 2, DCP: 2}, 4),
 ])
 def test_valid_sizes_world_and_layout(sizes, world):
     pc = ParallelConfig(**sizes)

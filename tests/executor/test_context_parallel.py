@@ -28,6 +28,7 @@ _LAYOUTS = {
     "pcp2": dict(prefill_context_parallel_size=2),
     "pcp3": dict(prefill_context_parallel_size=3),
     "pcp2-pp2": dict(prefill_context_parallel_size=2, pipeline_parallel_size=2),
+    "pcp2-dcp2": dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
 }
 
 
@@ -41,16 +42,18 @@ def _collective_paths(worker) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "async_on"),
                          [("tp3-dcp3", True), ("pcp2", False), ("pcp3", True),
-                          ("pcp2-pp2", True)],
-                         ids=["tp3-dcp3-async", "pcp2-sync", "pcp3-async", "pcp2-pp2-async"])
+                          ("pcp2-pp2", True), ("pcp2-dcp2", False)],
+                         ids=["tp3-dcp3-async", "pcp2-sync", "pcp3-async", "pcp2-pp2-async",
+                              "pcp2-dcp2-sync"])
 def test_default_model_matches_hf(hf_default_greedy, layout, async_on):
     llm = LLM(dtype="float32", max_model_len=512, distributed_executor_backend="mp",
               async_scheduling=async_on, **_LAYOUTS[layout])  # fmt: skip
     try:
         assert_matches_hf(llm, hf_default_greedy)
         paths = llm.collective_rpc(_collective_paths)
-        kind = "dcp" if "dcp" in layout else "pcp"
-        assert all(p[kind][0] > 0 and p[kind][1] == 0 for p in paths), paths  # shared memory
+        for kind in ("dcp", "pcp"):
+            if kind in layout:  # its collectives ran, through shared memory
+                assert all(p[kind][0] > 0 and p[kind][1] == 0 for p in paths), paths
     finally:
         llm.shutdown()
 
@@ -83,11 +86,11 @@ def tp3_model(tmp_path_factory, tiny_model_builder) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pcp2", "tp3-dcp3"])
+@pytest.mark.parametrize("layout", ["pcp2", "tp3-dcp3", "pcp2-dcp2"])
 def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
     """A 2,000-token prompt prefilled in chunks of 256 beside three oracle prompts, in a cache
     too small for all of them at once: one request is preempted and recomputed."""
-    blocks = 132 if layout == "pcp2" else 45  # DCP=3: a block holds 48 tokens
+    blocks = {"pcp2": 132, "tp3-dcp3": 45, "pcp2-dcp2": 66}[layout]  # DCP: blocks of 16 x DCP
     llm = LLM(dtype="float32", max_model_len=2048, distributed_executor_backend="mp",
               max_num_batched_tokens=256, num_blocks_override=blocks,
               **_LAYOUTS[layout])  # fmt: skip
