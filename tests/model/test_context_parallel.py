@@ -16,7 +16,9 @@ from shardserve.model import native_kernels as nk
 from shardserve.model.context_parallel import ContextShards
 
 BS = 8  # physical block size of these tests
-HEADS = [(9, 3, 64), (4, 1, 16), (6, 2, 20)]  # (Hq, Hkv, D): default model, 1 KV head, a D tail
+# (Hq, Hkv, D): the default model; 1 KV head; a head_dim tail; 24 heads on one KV head (more
+# query vectors than a vector's 16 lanes in a decode row)
+HEADS = [(9, 3, 64), (4, 1, 16), (6, 2, 20), (24, 1, 32)]
 GROUPS = [(2, 1), (3, 2), (2, BS)]  # (dcp, interleave)
 
 
@@ -128,16 +130,16 @@ def sharded_attention(q, caches, table, row_req, row_pos, interleave):
 
 def batch(hq, hkv, d, lengths, chunk):
     """Random K/V for the requests and a step's rows: a decode row for every request but the
-    last, whose last `chunk` positions are a prefill chunk; rows out of request order."""
+    last, whose last `chunk` positions are a prefill chunk (consecutive rows, as the runner
+    lays them out, after the first decode row: tiles of one request that start mid-batch)."""
     gen = torch.Generator().manual_seed(hq * 7 + d)
     kv = torch.randn(len(lengths), max(lengths), 2, hkv, d, generator=gen)
     last = len(lengths) - 1
-    row_req = [last] * chunk + list(range(last))
-    row_pos = [lengths[last] - chunk + i for i in range(chunk)] + [n - 1 for n in lengths[:-1]]
-    order = torch.randperm(len(row_req), generator=gen)
-    row_req, row_pos = torch.tensor(row_req)[order], torch.tensor(row_pos)[order]
+    row_req = [last - 1] + [last] * chunk + list(range(last - 1))
+    row_pos = [lengths[last - 1] - 1] + [lengths[last] - chunk + i for i in range(chunk)] \
+        + [n - 1 for n in lengths[: last - 1]]
     q = torch.randn(len(row_req), hq, d, generator=gen)
-    return kv, q, row_req, row_pos
+    return kv, q, torch.tensor(row_req), torch.tensor(row_pos)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), HEADS)
@@ -146,7 +148,7 @@ def test_merged_shards_equal_full_attention(path, hq, hkv, d, dcp, interleave) -
     # Contexts: 1 token (the other ranks' shards empty), one block's worth, odd lengths, and a
     # 70-token request whose last 37 positions are a prefill chunk (more than a row tile).
     lengths = [1, BS - 1, 2 * BS * dcp + 3, 70]
-    kv, q, row_req, row_pos = batch(hq, hkv, d, lengths, chunk=37)
+    kv, q, row_req, row_pos = batch(hq, hkv, d, lengths, chunk=37)  # tiles of 16, 16 and 5
     caches, table = shard_caches(kv, lengths, dcp, interleave, torch.float32)
     merged, lses = sharded_attention(q, caches, table, row_req, row_pos, interleave)
     torch.testing.assert_close(merged.double(), reference(q, kv, row_req, row_pos),
@@ -176,11 +178,13 @@ def test_c_kernel_equals_the_pytorch_path(kernels, dtype) -> None:
     kv, q, row_req, row_pos = batch(9, 3, 64, [3, 33, 130], chunk=50)
     caches, table = shard_caches(kv, [3, 33, 130], 3, 1, dtype)
     visible = ContextShards(3, 1, 1, BS).num_local(row_pos + 1)
+    # Query rows strided, as views into a fused qkv output are.
+    q = torch.cat([q, torch.randn(q.shape[0], 5, 64)], 1).to(dtype)[:, :9]
     lib = nk.library() if kernels == "native" else nk.build_library(nk.PORTABLE_ARCH)
     with nk.using(lib):
-        c_out, c_lse = cp.partial_attention(q.to(dtype), caches[1], table, row_req, visible, .125)
-        torch_out, torch_lse = cp.partial_attention_torch(q.to(dtype), caches[1], table, row_req,
-                                                          visible, .125)
+        c_out, c_lse = cp.partial_attention(q, caches[1], table, row_req, visible, .125)
+        torch_out, torch_lse = cp.partial_attention_torch(q, caches[1], table, row_req, visible,
+                                                          .125)
         stacked = torch.stack([c_out, torch_out]), torch.stack([c_lse, torch_lse])
         c_merged = cp.merge_partials(*stacked)
     torch.testing.assert_close(c_out, torch_out, atol=1e-5, rtol=1e-5)
