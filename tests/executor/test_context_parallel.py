@@ -72,6 +72,36 @@ def test_tp3_pcp2_equals_uni(tp3_model):
         llm.shutdown()
 
 
+def _structured_and_greedy(llm: LLM) -> list[list[int]]:
+    """Greedy on PROMPTS, then seeded random sampling under a regex and a choice."""
+    from shardserve.sampling_params import StructuredOutputsParams as S
+
+    specs = [S(regex=r"[a-c]{2,6}-\d{1,3}"), S(choice=["red", "green", "dark blue"])]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, structured_outputs=spec)
+              for i, spec in enumerate(specs * 2)]
+    outs = llm.generate([f"Answer request {i} in the form asked:" for i in range(4)], params,
+                        use_tqdm=False)
+    return greedy_tokens(llm) + [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_dp2_pcp2_structured_outputs_equal_uni(tp3_model):
+    """Two replicas of PCP=2 (four ranks), structured outputs with seeded sampling: every
+    rank of a context group samples the same tokens (their hidden states are synced)."""
+    llm = LLM(str(tp3_model), dtype="float32", max_model_len=128, seed=0)
+    try:
+        want = _structured_and_greedy(llm)
+    finally:
+        llm.shutdown()
+    llm = LLM(str(tp3_model), dtype="float32", max_model_len=128, seed=0,
+              data_parallel_size=2, prefill_context_parallel_size=2)  # fmt: skip
+    try:
+        assert _structured_and_greedy(llm) == want
+        paths = llm.collective_rpc(_collective_paths)
+        assert len(paths) == 4 and all(p["pcp"][0] > 0 for p in paths), paths
+    finally:
+        llm.shutdown()
+
+
 def _uni(model: Path) -> list[list[int]]:
     llm = LLM(str(model), dtype="float32", max_model_len=128, seed=0)
     try:
