@@ -123,12 +123,37 @@ def partial_attention(
     if native_kernels.supports(q.dtype, q.device) and q.stride(-1) == 1 \
             and q.stride(1) == q.shape[2]:
         return _partial_attention_c(q, kv_cache, block_table, row_req, num_visible, scale)
+    for code in (-2, -3, -4):  # the C kernel checks the ranges itself, without torch calls
+        if (error := _range_error(code, kv_cache, block_table, row_req, num_visible)) is not None:
+            raise error
     return partial_attention_torch(q, kv_cache, block_table, row_req, num_visible, scale)
+
+
+def _range_error(code: int, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 row_req: torch.Tensor, num_visible: torch.Tensor) -> ValueError | None:
+    """The error for C's code (-2 row_req, -3 num_visible, -4 a block id) where the values are
+    out of range, else None: torch indexing would wrap negative values round silently, and C
+    reads where they point."""
+    rows, width = block_table.shape
+    capacity = width * kv_cache.shape[1]
+    if code == -2 and (int(row_req.min()) < 0 or int(row_req.max()) >= rows):
+        return ValueError(f"partial_attention: row_req outside the block table's {rows} rows")
+    if code == -3 and (int(num_visible.min()) < 0 or int(num_visible.max()) > capacity):
+        return ValueError(f"partial_attention: num_visible up to {int(num_visible.max())} "
+                          f"keys, but a block table row holds {capacity}")
+    if code == -4:
+        reach = (num_visible + kv_cache.shape[1] - 1) // kv_cache.shape[1]  # blocks per row
+        used = torch.arange(width, device=reach.device)[None, :] < reach[:, None]
+        ids = block_table[row_req][used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
+            return ValueError(f"partial_attention: a block id the rows reach is outside the "
+                              f"cache's {kv_cache.shape[0]} blocks")
+    return None
 
 
 def _check_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                 row_req: torch.Tensor, num_visible: torch.Tensor) -> None:
-    """The C kernel reads where these point: out-of-range values must stop here, named."""
+    """Shapes and dtypes (free to check); the values' ranges: _range_error."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[2] != 2 \
             or kv_cache.shape[4] != q.shape[2] or q.shape[1] % kv_cache.shape[3] \
             or q.dtype != kv_cache.dtype:
@@ -142,17 +167,6 @@ def _check_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         raise ValueError(f"partial_attention: row_req {tuple(row_req.shape)} and num_visible "
                          f"{tuple(num_visible.shape)} must have one entry per query row "
                          f"({q.shape[0]})")
-    if q.shape[0] == 0:
-        return
-    capacity = block_table.shape[1] * kv_cache.shape[1]
-    if int(row_req.min()) < 0 or int(row_req.max()) >= block_table.shape[0]:
-        raise ValueError(f"partial_attention: row_req outside the block table's "
-                         f"{block_table.shape[0]} rows")
-    if int(num_visible.min()) < 0 or int(num_visible.max()) > capacity:
-        raise ValueError(f"partial_attention: num_visible up to {int(num_visible.max())} keys, "
-                         f"but a block table row holds {capacity}")
-
-
 def _partial_attention_c(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, row_req: torch.Tensor,
     num_visible: torch.Tensor, scale: float,
@@ -167,10 +181,13 @@ def _partial_attention_c(
         out.data_ptr(), lse.data_ptr(), q.data_ptr(), q.stride(0), kv_cache.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), row_req.data_ptr(),
         num_visible.data_ptr(), t, num_heads, num_kv, head_dim, block_size, scale,
-        _DTYPES[q.dtype], torch.get_num_threads(),
+        _DTYPES[q.dtype], *block_table.shape, kv_cache.shape[0], torch.get_num_threads(),
     )
-    if rc != 0:
+    if rc == -1:
         raise MemoryError("cp_partial_attention: out of memory for its scratch buffers")
+    if rc != 0:
+        raise _range_error(rc, kv_cache, block_table, row_req, num_visible) or \
+            ValueError(f"partial_attention: rows out of range (code {rc})")
     return out, lse
 
 

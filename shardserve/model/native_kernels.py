@@ -190,7 +190,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,
                      i64, i32],
         "cp_partial_attention": [ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
-                                 i64, i64, f32, i32, i32],
+                                 i64, i64, f32, i32, i64, i64, i64, i32],
         "cp_merge": [ptr, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():

@@ -203,7 +203,7 @@ def test_merge_weighs_shards_by_their_lse(path) -> None:
     torch.testing.assert_close(merged, expected)
 
 
-def test_out_of_range_rows_are_refused() -> None:
+def test_out_of_range_rows_are_refused(path) -> None:
     kv, q, row_req, row_pos = batch(4, 1, 16, [9, 20], chunk=4)
     caches, table = shard_caches(kv, [9, 20], 1, 1, torch.float32)
     capacity = table.shape[1] * BS
@@ -211,8 +211,17 @@ def test_out_of_range_rows_are_refused() -> None:
         cp.partial_attention(q, caches[0], table, row_req, row_pos + capacity, 1.0)
     with pytest.raises(ValueError, match="row_req outside the block table's 2 rows"):
         cp.partial_attention(q, caches[0], table, row_req + 2, row_pos + 1, 1.0)
+    with pytest.raises(ValueError, match="row_req outside"):
+        cp.partial_attention(q, caches[0], table, row_req - 2, row_pos + 1, 1.0)
     with pytest.raises(ValueError, match="one entry per query row"):
         cp.partial_attention(q, caches[0], table, row_req[:1], row_pos + 1, 1.0)
+    bad = table.clone()
+    bad[1, 1] = caches[0].shape[0]  # a block the 20-token request reaches
+    with pytest.raises(ValueError, match="outside the cache's 8 blocks"):
+        cp.partial_attention(q, caches[0], bad, row_req, row_pos + 1, 1.0)
+    bad[1, 1], bad[0, 2] = table[1, 1], -1  # the 9-token request's 3rd block: padding, unread
+    out, _ = cp.partial_attention(q, caches[0], bad, row_req, row_pos + 1, 1.0)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("pcp", [1, 2, 3])

@@ -44,12 +44,10 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-typedef struct {
-    float *out;   /* [T, H, D] float32 */
-    float *lse;   /* [T, H] float32 */
-    const void *q; /* [T, H, D] rows q_stride elements apart */
+typedef struct { /* cp_partial_attention's arguments (see there) */
+    float *out, *lse;
+    const void *q, *cache;
     int64_t q_stride;
-    const void *cache;
     const int64_t *block_table, *row_req, *num_visible;
     int64_t bt_stride, H, Hkv, D, bs;
     float scale;
@@ -63,14 +61,8 @@ static int64_t scratch_floats(int64_t G, int64_t D) {
     return 2 * nq * D + 3 * nq + 2 * KC * D + nq * KC;
 }
 
-static inline v16 ld16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
+static inline v16 ld16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
 static inline v16 splat(float x) { return (v16){0} + x; }
 
 static inline v16 vmax(v16 a, v16 b) {
@@ -327,27 +319,45 @@ static int64_t make_tiles(int64_t *starts, const int64_t *row_req, int64_t T) {
     return count;
 }
 
+/* What the kernel would read unchecked, checked once (cheap next to the attention): each row's
+ * request < R, its visible keys <= W * bs, and the blocks those reach < NB. 0, or -2, -3, -4. */
+static int rows_fit(const cp_args *a, int64_t T, int64_t R, int64_t W, int64_t NB) {
+    int64_t done = 0; /* blocks of the previous row's request already checked */
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r = a->row_req[t], nv = a->num_visible[t];
+        if (r < 0 || r >= R) return -2;
+        if (nv < 0 || nv > W * a->bs) return -3;
+        if (t == 0 || r != a->row_req[t - 1]) done = 0;
+        const int64_t *blocks = a->block_table + r * a->bt_stride;
+        for (; done < (nv + a->bs - 1) / a->bs; done++)
+            if (blocks[done] < 0 || blocks[done] >= NB) return -4;
+    }
+    return 0;
+}
+
 /*
  * Partial attention with log-sum-exp over this rank's shard of a paged KV cache.
  *   out [T, H, D], lse [T, H]: float32, dense; q [T, H, D] (dtype), rows q_stride apart;
- *   cache [NB, bs, 2, Hkv, D] (dtype); block_table [R, bt_stride] int64; row_req, num_visible
- *   [T] int64 (validated by the caller: row_req < R, num_visible <= W * bs).
+ *   cache [NB, bs, 2, Hkv, D] (dtype); block_table [R, W] int64, rows bt_stride apart;
+ *   row_req, num_visible [T] int64.
  * out = softmax(scale q K^T) V over the visible keys, lse = log sum exp(scale q K^T) (natural
- * log); rows with nothing visible get out 0, lse -inf. Returns 0, or -1 out of memory.
+ * log); rows with nothing visible get out 0, lse -inf. Returns 0, -1 out of memory, or
+ * rows_fit's code (nothing written).
  */
 int cp_partial_attention(float *out, float *lse, const void *q, int64_t q_stride,
                          const void *cache, const int64_t *block_table, int64_t bt_stride,
                          const int64_t *row_req, const int64_t *num_visible, int64_t T,
                          int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int dtype,
-                         int num_threads) {
-    const cp_args a = {out, lse, q, q_stride, cache, block_table, row_req, num_visible,
+                         int64_t R, int64_t W, int64_t NB, int num_threads) {
+    const cp_args a = {out, lse, q, cache, q_stride, block_table, row_req, num_visible,
                        bt_stride, H, Hkv, D, bs, scale, dtype};
+    const int fit = rows_fit(&a, T, R, W, NB);
+    if (fit != 0) return fit;
     const int64_t per_thread = scratch_floats(H / Hkv, D);
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(T + 1));
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads));
     if (starts == NULL || scratch == NULL) {
-        free(starts);
-        free(scratch);
+        free(starts), free(scratch);
         return -1;
     }
     const int64_t tiles = make_tiles(starts, row_req, T), tasks = tiles * Hkv;
@@ -357,8 +367,7 @@ int cp_partial_attention(float *out, float *lse, const void *q, int64_t q_stride
         tile_task(&a, starts[tile], starts[tile + 1] - starts[tile], kvh,
                   scratch + per_thread * omp_get_thread_num());
     }
-    free(starts);
-    free(scratch);
+    free(starts), free(scratch);
     return 0;
 }
 
