@@ -3,7 +3,8 @@
     engine core.start_profile(config) ──collective_rpc──▶ Worker.start_profile on every rank
     ... steps ...
     engine core.stop_profile()  ──────────────────────▶ Worker.stop_profile: each rank writes
-        DIR/trace_dp<d>_pp<p>_tp<t>.json; the core writes DIR/trace_engine_core_dp<d>.json
+        DIR/trace_dp<d>_pp<p>_tp<t>.json (..._pp<p>_pcp<c>_tp<t> with PCP); the core writes
+        DIR/trace_engine_core_dp<d>.json
 
 The files are torch's Chrome-trace JSON, which Perfetto (ui.perfetto.dev) and chrome://tracing
 read; a later profile writes the same names again (move the files to keep them). A process
@@ -107,8 +108,10 @@ def required(config: ProfilerConfig | None, owner: str) -> ProfilerConfig:
     return config
 
 
-def rank_trace_name(dp: int, pp: int, tp: int) -> str:
-    return f"trace_dp{dp}_pp{pp}_tp{tp}.json"
+def rank_trace_name(dp: int, pp: int, tp: int, pcp: int | None = None) -> str:
+    """pcp: the context shard, named only under prefill context parallelism (None)."""
+    shard = "" if pcp is None else f"_pcp{pcp}"
+    return f"trace_dp{dp}_pp{pp}{shard}_tp{tp}.json"
 
 
 def engine_trace_name(dp: int) -> str:

@@ -202,9 +202,10 @@ class Worker:
         if self._profiler is None:
             pc = self.config.parallel_config
             c = pc.layout.replica().coords(self.rank)
+            shard = c.pcp if pc.prefill_context_parallel_size > 1 else None
             self._profiler = TraceProfiler(
-                f"rank {self.rank}", rank_trace_name(pc.data_parallel_rank, c.pp, c.tp), self,
-                "execute_step", RANK_STEP_LABEL, cuda=self.device.type == "cuda")
+                f"rank {self.rank}", rank_trace_name(pc.data_parallel_rank, c.pp, c.tp, shard),
+                self, "execute_step", RANK_STEP_LABEL, cuda=self.device.type == "cuda")
         self._profiler.start(config)
 
     def stop_profile(self) -> str:

@@ -78,3 +78,23 @@ def test_profiler_config_forms_and_refusals(tmp_path):
         ProfilerConfig.parse({"profiler": "torch"})
     with pytest.raises(ValueError, match="profiler='cuda' is not supported"):
         ProfilerConfig.parse({"profiler": "cuda", "torch_profiler_dir": "/x"})
+
+
+def test_context_shards_write_their_own_traces(tiny_llama_dir, tmp_path):
+    """PCP=2: the two ranks share dp, pp and tp; the file names tell the context shards apart
+    (both ranks' traces, each with its steps, not one overwriting the other)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", prefill_context_parallel_size=2,
+              distributed_executor_backend="mp", max_model_len=128,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    try:
+        llm.start_profile()
+        llm.generate(["the cat sat on the mat"], SamplingParams(max_tokens=3, temperature=0,
+                                                                ignore_eos=True), use_tqdm=False)
+        paths = llm.stop_profile()
+    finally:
+        llm.shutdown()
+    names = sorted(p.rsplit("/", 1)[1] for p in paths)
+    assert names == ["trace_dp0_pp0_pcp0_tp0.json", "trace_dp0_pp0_pcp1_tp0.json",
+                     "trace_engine_core_dp0.json"]
+    for path in [p for p in paths if "engine_core" not in p]:
+        assert [e.get("name") for e in _events(path)].count(RANK_STEP_LABEL) == 3, path
