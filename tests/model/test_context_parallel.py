@@ -72,6 +72,19 @@ def test_every_position_has_one_owner_and_dense_local_indices(dcp, interleave) -
     assert bool((counts == 1).all())
 
 
+def test_the_layout_of_the_module_docstring() -> None:
+    """dcp 2, I 2, bs 4: the contract's formulas, position by position."""
+    positions = torch.arange(16)
+    rank1 = ContextShards(2, 1, 2, 4)
+    assert rank1.virtual_block_size == 8
+    assert rank1.owner(positions).tolist() == [0, 0, 1, 1, 0, 0, 1, 1] * 2
+    assert rank1.local_index(positions).tolist() == [0, 1, 0, 1, 2, 3, 2, 3,
+                                                     4, 5, 4, 5, 6, 7, 6, 7]
+    assert rank1.num_local(torch.tensor([0, 2, 3, 9, 16])).tolist() == [0, 0, 1, 4, 8]
+    assert cp.rank_token_indices(10, 2, 0).tolist() == [0, 1, 2, 8, 9]
+    assert cp.rank_token_indices(10, 2, 1).tolist() == [3, 4, 5, 6, 7]
+
+
 def test_bad_group_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="divide block_size 8"):
         ContextShards(2, 0, 3, BS)
