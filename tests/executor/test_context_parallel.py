@@ -133,6 +133,12 @@ def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
         assert llm.engine.core.scheduler.total_preemptions > 0
         for ids, out in zip(prompts, outs, strict=True):
             assert out.outputs[0].token_ids == hf_default_greedy(ids, 32)
+        # Again: the long prompt's blocks come from the prefix cache (virtual blocks with DCP),
+        # the rest of it and the short ones are computed anew over them.
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                             use_tqdm=False)
+        assert llm.get_metrics()["prefix_cache_hits"] > 0
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
 
