@@ -8,7 +8,9 @@ offset addresses row s of the [num_blocks * block_size, 2, Hkv, D] view.
 A step's requests are split into two groups, each padded only to its own maximum:
   * decode rows (query_len == 1): one query per request, context padded to the longest decode;
   * prefill rows (query_len > 1, including later chunks of a chunked prefill): queries padded to
-    the longest prefill chunk, context to the longest prefill context, with a causal mask.
+    the longest prefill chunk, context to the longest prefill context, with a causal mask
+    (or, with `prefill_per_row`, each prefill row a group of its own, padded to nothing: a
+    context-parallel rank's two chunks of one prompt end far apart).
 So one long prefill next to many decodes costs (long x long) + (decodes x their contexts), not
 (everyone x long). `AttentionMetadata.build` precomputes all indices and masks once per step;
 the per-layer work is a fixed handful of tensor ops with no Python loop over requests.
@@ -64,8 +66,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens], where each new token's K/V is written
     max_seq_len: int  # host-side bound on positions (sizes the RoPE table without a sync)
     decode: _Group | None
-    prefill: _Group | None
-    # Flat-batch row -> row of cat(decode_out [Bd], prefill_out [Bp*Qp]); None when identity.
+    prefill_groups: list[_Group]
+    # Flat-batch row -> row of cat(decode_out [Bd], each prefill group's out [Bp*Qp]); None when
+    # identity.
     output_index: torch.Tensor | None
     # Context parallelism: the step's object with an `attention(q, kv, kv_cache, meta)` that
     # replaces paged_attention's (model/context_parallel_step.py); None without it.
@@ -79,6 +82,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        prefill_per_row: bool = False,
     ) -> AttentionMetadata:
         _validate(query_lens, seq_lens, block_tables, block_size)
         q = torch.tensor(query_lens, dtype=torch.int64)
@@ -89,12 +93,12 @@ class AttentionMetadata:
         positions = torch.arange(int(q.sum())) - starts[req_of_token] + (s - q)[req_of_token]
         slot_mapping = _slots(bt[req_of_token], positions, block_size)
 
-        is_decode = q == 1
         dec = [i for i, n in enumerate(query_lens) if n == 1]
         pre = [i for i, n in enumerate(query_lens) if n > 1]
         decode = _build_group(dec, q, s, bt, starts, block_size) if dec else None
-        prefill = _build_group(pre, q, s, bt, starts, block_size) if pre else None
-        output_index = _output_index(q, is_decode, dec, pre, prefill)
+        split = [[i] for i in pre] if prefill_per_row else [pre] if pre else []
+        prefill = [_build_group(g, q, s, bt, starts, block_size) for g in split]
+        output_index = _output_index(q, dec, split, prefill)
         to = torch.device(device)
         return cls(
             num_tokens=int(q.sum()),
@@ -103,9 +107,14 @@ class AttentionMetadata:
             slot_mapping=slot_mapping.to(to),
             max_seq_len=max(seq_lens),
             decode=_group_to(decode, to),
-            prefill=_group_to(prefill, to),
+            prefill_groups=[_group_to(g, to) for g in prefill],
             output_index=None if output_index is None else output_index.to(to),
         )
+
+    @property
+    def prefill(self) -> _Group | None:
+        """The first prefill group (None: a step of decodes only)."""
+        return self.prefill_groups[0] if self.prefill_groups else None
 
 
 def _validate(
@@ -171,20 +180,20 @@ def _build_group(
     )
 
 
-def _output_index(
-    q: torch.Tensor, is_decode: torch.Tensor, dec: list[int], pre: list[int], prefill: _Group | None
-) -> torch.Tensor | None:
-    """Map each flat row to its row in cat(decode outputs, padded prefill outputs)."""
-    if prefill is None or (not dec and prefill.query_index is None):
+def _output_index(q: torch.Tensor, dec: list[int], split: list[list[int]],
+                  prefill: list[_Group]) -> torch.Tensor | None:
+    """Map each flat row to its row in cat(decode outputs, each prefill group's padded ones)."""
+    if not prefill or (not dec and len(prefill) == 1 and prefill[0].query_index is None):
         return None  # a single group whose rows are already in flat order
-    rank_in_group = torch.zeros(len(q), dtype=torch.int64)
-    rank_in_group[is_decode] = torch.arange(len(dec))
-    rank_in_group[~is_decode] = torch.arange(len(pre))
+    first_row = torch.zeros(len(q), dtype=torch.int64)  # each request's first output row
+    first_row[dec] = torch.arange(len(dec))
+    start = len(dec)
+    for reqs, g in zip(split, prefill, strict=True):
+        first_row[reqs] = start + torch.arange(len(reqs)) * g.max_query
+        start += g.num_reqs * g.max_query
     req_of_token = torch.repeat_interleave(torch.arange(len(q)), q)
     offset_in_req = torch.arange(int(q.sum())) - (torch.cumsum(q, 0) - q)[req_of_token]
-    max_q = prefill.max_query if prefill is not None else 1
-    prefill_row = len(dec) + rank_in_group[req_of_token] * max_q + offset_in_req
-    return torch.where(is_decode[req_of_token], rank_in_group[req_of_token], prefill_row)
+    return first_row[req_of_token] + offset_in_req
 
 
 def _group_to(group: _Group | None, device: torch.device) -> _Group | None:
@@ -270,8 +279,8 @@ def attend(
     outs = []
     if meta.decode is not None:
         outs.append(_attend_decode(q, kv, kv_cache, meta.decode))
-    if meta.prefill is not None:
-        outs.append(_attend_group(q, kv, kv_cache, meta.prefill))
+    for group in meta.prefill_groups:
+        outs.append(_attend_group(q, kv, kv_cache, group))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     if meta.output_index is not None:
         out = out.index_select(0, meta.output_index)

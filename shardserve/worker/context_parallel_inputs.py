@@ -240,6 +240,8 @@ class ContextParallel:
                     ) -> AttentionMetadata:
         if split.step is None:
             return meta
+        # Each chunk its own attention group: a rank's two chunks of a prompt end far apart,
+        # and one padded group would give the early one the late one's context.
         r = split.rows
         return AttentionMetadata.build(r.query_lens, r.seq_lens, r.block_tables,
-                                       self.scheduler_block_size, device)
+                                       self.scheduler_block_size, device, prefill_per_row=True)

@@ -51,3 +51,24 @@ def test_decodes_of_ragged_lengths_match_dense_attention(kernel_path: str) -> No
         v = kv[:, 1].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
         want = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v)  # [H, 1, D]
         torch.testing.assert_close(out[i].view(heads, dim), want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_per_row_equals_one_padded_group() -> None:
+    """A decode, a fresh prefill, two later chunks with far-apart ends and another decode:
+    each prefill row a group of its own (as a context-parallel rank runs its two chunks of a
+    prompt) gives the rows of one padded group, in flat order."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    cache = allocate_kv_cache(1, 24, bs, kv_heads, dim, torch.float32)[0]
+    cache.uniform_(-1, 1, generator=g)  # every earlier position's K/V
+    query_lens, seq_lens = [1, 6, 3, 5, 1], [7, 6, 20, 40, 3]
+    tables = [[0, 1], [2, 3], [4, 5, 6, 7, 8], list(range(9, 19)), [19]]
+    n = sum(query_lens)
+    q = torch.randn(n, heads, dim, generator=g)
+    kv = torch.randn(n, 2, kv_heads, dim, generator=g)
+    outs = []
+    for per_row in (False, True):
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, prefill_per_row=per_row)
+        assert len(meta.prefill_groups) == (3 if per_row else 1)
+        outs.append(paged_attention(q, kv, cache.clone(), meta))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
