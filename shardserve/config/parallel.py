@@ -178,8 +178,7 @@ class ParallelConfig:
               f"{self.world_formula} = {self.world_size}; use 'mp' or 'ray'")
 
     def _check_context_parallel(self) -> None:
-        """vLLM's rules: DCP reuses the TP ranks (or, with PCP, the TP x PCP ones); DCP over
-        both TP and PCP ranks at once is refused until it is built."""
+        """vLLM's rules: DCP reuses the TP ranks (or, with PCP, the PCP or TP x PCP ones)."""
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         pcp = self.prefill_context_parallel_size
         if pcp == 1:
@@ -193,11 +192,6 @@ class ParallelConfig:
               f"with prefill_context_parallel_size={pcp} and tensor_parallel_size={tp}, "
               f"decode_context_parallel_size={dcp} must be 1, PCP or TP x PCP: one of "
               f"{allowed}")
-        check(dcp in (1, pcp),
-              f"decode_context_parallel_size={dcp} = TP x PCP with "
-              f"prefill_context_parallel_size={pcp} (the KV cache sharded over the TP and the "
-              f"PCP ranks at once) is not built yet; use decode_context_parallel_size={pcp} "
-              f"(sharded over the PCP ranks) or 1")
 
     def _check_ray_replicas(self) -> None:
         check(self.distributed_executor_backend in ("ray", "ray_v2"),

@@ -111,22 +111,26 @@ class PrefillContextStep:
 
 @dataclass
 class ShardedPrefillStep:
-    """PCP with DCP over the same ranks (dcp = pcp): the context shards compute different rows
-    and each stores only the positions it owns, of every row.
+    """PCP with DCP over the context shards (dcp = pcp), or over TP x PCP: the context shards
+    compute different rows and each rank stores only the positions it owns, of every row.
 
     rank r:  rejoin the full step's q and K/V (its own rows, the others' split rows gathered)
+             (dcp = TP x PCP: and all-gather them over the TP group's heads)
              write the full step's rows it owns at their local slots
              partial attention of every row of the full step over its shard
-             all-gather (out | lse) over the group; merge the partials of its own rows
+             all-gather (out | lse) over the DCP group; merge the partials of its own rows
+             (and heads)
     Every rank attends 1/dcp of every row's keys, so the work is even whatever the split.
     """
 
     rejoin: PrefillContextStep | None  # the split rows' gather (None: no row split)
-    group: GroupCoordinator  # the DCP group (the same ranks as the PCP group)
+    group: GroupCoordinator  # the DCP group
     local_index: torch.Tensor  # int64 [T_local] full-step row of each local row
     recv_full: torch.Tensor  # int64 full-step rows of rejoin.recv_index
     num_full: int
     shard: ShardRows  # the full step's rows against this rank's shard
+    heads: GroupCoordinator | None = None  # dcp = TP x PCP: the TP group, whose heads it joins
+    kv_select: torch.Tensor | None = None  # which gathered KV heads the cache holds
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:
         if self.rejoin is None:  # every rank holds every row
@@ -139,6 +143,17 @@ class ShardedPrefillStep:
 
     def attention(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-        packed = self.shard.write_and_attend(self._full(q), self._full(kv), kv_cache)
-        parts = self.group.all_gather(packed.unsqueeze(0), dim=0)  # [n, N_full, H, D + 1]
-        return _merge_packed(parts.index_select(1, self.local_index), q.dtype)
+        q_full, kv_full = self._full(q), self._full(kv)
+        local_heads = q.shape[1]
+        if self.heads is not None:
+            q_full = self.heads.all_gather(q_full, dim=1)
+            kv_full = self.heads.all_gather(kv_full, dim=2)
+            if self.kv_select is not None:
+                kv_full = kv_full.index_select(2, self.kv_select)
+        packed = self.shard.write_and_attend(q_full, kv_full, kv_cache)
+        parts = self.group.all_gather(packed.unsqueeze(0), dim=0)  # [n, N_full, Hg, D + 1]
+        mine = parts.index_select(1, self.local_index)
+        if self.heads is not None:
+            first = self.heads.rank * local_heads
+            mine = mine[:, :, first:first + local_heads]
+        return _merge_packed(mine, q.dtype)

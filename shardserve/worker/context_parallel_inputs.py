@@ -179,8 +179,9 @@ class ContextParallel:
     """This rank's context parallelism, built once; it runs each step's forward."""
 
     def __init__(self, pcp: GroupCoordinator, dcp: GroupCoordinator,
-                 shards: ContextShards | None, heads: DcpHeads | None, block_size: int) -> None:
-        self.pcp, self.dcp = pcp, dcp
+                 shards: ContextShards | None, heads: DcpHeads | None, block_size: int,
+                 tp: GroupCoordinator) -> None:
+        self.pcp, self.dcp, self.tp = pcp, dcp, tp
         self.shards, self.heads = shards, heads
         self.block_size = block_size
 
@@ -195,12 +196,15 @@ class ContextParallel:
             shards = ContextShards(size=dcp.world_size, rank=dcp.rank,
                                    interleave=pc.cp_kv_cache_interleave_size,
                                    block_size=block_size)
+        arch = config.model_config.arch
         if dcp.world_size > 1 and pcp.world_size == 1:  # within a TP group: consecutive ranks
-            arch = config.model_config.arch
             first = tp.rank - dcp.rank
             heads = DcpHeads.of_group(arch.num_heads, arch.num_kv_heads, tp.world_size,
                                       list(range(first, first + dcp.world_size)))
-        return cls(pcp, dcp, shards, heads, block_size)
+        elif dcp.world_size > pcp.world_size:  # over TP x PCP: every head of the TP group
+            heads = DcpHeads.of_group(arch.num_heads, arch.num_kv_heads, tp.world_size,
+                                      list(range(tp.world_size)))
+        return cls(pcp, dcp, shards, heads, block_size, tp)
 
     @property
     def scheduler_block_size(self) -> int:
@@ -223,11 +227,12 @@ class ContextParallel:
                                              select)
             return run(input_ids, meta)
         split = split_prefills(self.pcp, rows, meta.slot_mapping, input_ids.device)
-        if self.shards is not None:  # DCP over the context shards
+        if self.shards is not None:  # DCP over the context shards (and TP)
             local = self._local_meta(split, meta, input_ids.device)
             local.context = ShardedPrefillStep(split.step, self.dcp, split.local_index,
                                                split.recv_full, meta.num_tokens,
-                                               shard_rows(self.shards, meta, rows))
+                                               shard_rows(self.shards, meta, rows),
+                                               *self._tp_heads(input_ids.device))
         elif split.step is None:  # nothing split: every rank runs the whole step
             local = meta
         else:
@@ -235,6 +240,14 @@ class ContextParallel:
             local.context = split.step
         hidden = run(input_ids.index_select(0, split.local_index), local)
         return None if hidden is None else split.gather_hidden(hidden, meta.num_tokens)
+
+    def _tp_heads(self, device: torch.device
+                  ) -> tuple[GroupCoordinator | None, torch.Tensor | None]:
+        """DCP over TP x PCP: the TP group whose heads a step joins, and the KV heads kept."""
+        if self.heads is None:
+            return None, None
+        select = self.heads.select
+        return self.tp, None if select is None else torch.tensor(select).to(device)
 
     def _local_meta(self, split: PrefillSplit, meta: AttentionMetadata, device: torch.device
                     ) -> AttentionMetadata:

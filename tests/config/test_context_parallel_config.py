@@ -49,8 +49,6 @@ def engine_config(parallel: ParallelConfig, *, block_size: int = 16, **options) 
                                                    "1, PCP or TP x PCP", "[1, 2, 4]"]),
     ({"tensor_parallel_size": 3, PCP: 2, DCP: 3}, ["decode_context_parallel_size=3",
                                                    "[1, 2, 6]"]),
-    ({"tensor_parallel_size": 2, PCP: 2, DCP: 4}, ["not built yet",
-                                                   "decode_context_parallel_size=4"]),
     ({INTERLEAVE: 0}, ["cp_kv_cache_interleave_size=0", ">= 1"]),
     ({DCP: 0}, ["decode_context_parallel_size=0", ">= 1"]),
     ({PCP: 1.5}, ["prefill_context_parallel_size=1.5", "an int"]),
@@ -114,6 +112,7 @@ def test_pooling_refuses_pcp_but_takes_dcp():
     ({"tensor_parallel_size": 2, PCP: 2, DCP: 1, "data_parallel_size": 2}, 4),
     ({PCP: 2, DCP: 2}, 2),
     ({"tensor_parallel_size": 2, PCP: 2, DCP: 2}, 4),
+    ({"tensor_parallel_size": 2, PCP: 2, DCP: 4}, 4),
 ])
 def test_valid_sizes_world_and_layout(sizes, world):
     pc = ParallelConfig(**sizes)

@@ -72,6 +72,24 @@ def test_tp3_pcp2_equals_uni(tp3_model):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("dcp", [2, 4], ids=["dcp-over-pcp", "dcp-over-tp-x-pcp"])
+def test_tp2_pcp2_sharded_kv_equals_uni(tiny_llama_dir, dcp):
+    """TP=2 x PCP=2 with the KV cache sharded over the context shards (DCP=2) or over all four
+    ranks (DCP=4: the TP group's heads joined too), prompts long enough to split."""
+    want = _uni(tiny_llama_dir)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, seed=0,
+              tensor_parallel_size=2, prefill_context_parallel_size=2,
+              decode_context_parallel_size=dcp, distributed_executor_backend="mp")  # fmt: skip
+    try:
+        assert greedy_tokens(llm) == want
+        paths = llm.collective_rpc(_collective_paths)
+        assert all(p["pcp"][0] > 0 and p["dcp"][0] > 0 for p in paths), paths
+        capacity = llm.get_metrics()["kv_cache_capacity_tokens"]
+        assert capacity % (16 * dcp) == 0, capacity  # virtual blocks of block_size x DCP
+    finally:
+        llm.shutdown()
+
+
 def _structured_and_greedy(llm: LLM) -> list[list[int]]:
     """Greedy on PROMPTS, then seeded random sampling under a regex and a choice."""
     from shardserve.sampling_params import StructuredOutputsParams as S
