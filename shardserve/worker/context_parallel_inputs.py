@@ -220,11 +220,9 @@ class ContextParallel:
         """run(input_ids, meta) on this rank's part of the full step `meta`/`rows`; the full
         step's hidden states (None on a stage that is not the last)."""
         if self.pcp.world_size == 1:  # DCP within TP: every rank runs the whole step
-            assert self.shards is not None and self.heads is not None
-            select = None if self.heads.select is None \
-                else torch.tensor(self.heads.select).to(input_ids.device)
+            assert self.shards is not None
             meta.context = DecodeContextStep(self.dcp, shard_rows(self.shards, meta, rows),
-                                             select)
+                                             self._kv_select(input_ids.device))
             return run(input_ids, meta)
         split = split_prefills(self.pcp, rows, meta.slot_mapping, input_ids.device)
         if self.shards is not None:  # DCP over the context shards (and TP)
@@ -232,7 +230,8 @@ class ContextParallel:
             local.context = ShardedPrefillStep(split.step, self.dcp, split.local_index,
                                                split.recv_full, meta.num_tokens,
                                                shard_rows(self.shards, meta, rows),
-                                               *self._tp_heads(input_ids.device))
+                                               None if self.heads is None else self.tp,
+                                               self._kv_select(input_ids.device))
         elif split.step is None:  # nothing split: every rank runs the whole step
             local = meta
         else:
@@ -241,13 +240,11 @@ class ContextParallel:
         hidden = run(input_ids.index_select(0, split.local_index), local)
         return None if hidden is None else split.gather_hidden(hidden, meta.num_tokens)
 
-    def _tp_heads(self, device: torch.device
-                  ) -> tuple[GroupCoordinator | None, torch.Tensor | None]:
-        """DCP over TP x PCP: the TP group whose heads a step joins, and the KV heads kept."""
-        if self.heads is None:
-            return None, None
-        select = self.heads.select
-        return self.tp, None if select is None else torch.tensor(select).to(device)
+    def _kv_select(self, device: torch.device) -> torch.Tensor | None:
+        """Which of the all-gathered KV heads the cache keeps (None: all, or no gather)."""
+        if self.heads is None or self.heads.select is None:
+            return None
+        return torch.tensor(self.heads.select).to(device)
 
     def _local_meta(self, split: PrefillSplit, meta: AttentionMetadata, device: torch.device
                     ) -> AttentionMetadata:
