@@ -62,3 +62,13 @@ def kernel_path(request, monkeypatch):
             assert counting.calls, "the c_kernels variant never called a C kernel"
     monkeypatch.undo()
     native_kernels.library.cache_clear()
+
+
+@pytest.fixture
+def native_kernels_on(monkeypatch):
+    """The C path under test, whatever SHARDSERVE_NATIVE_KERNELS says in the caller's shell."""
+    monkeypatch.delenv("SHARDSERVE_NATIVE_KERNELS", raising=False)
+    native_kernels.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native_kernels.library.cache_clear()

@@ -22,14 +22,7 @@ HEADS = [(9, 3, 64), (4, 1, 16), (6, 2, 20), (24, 1, 32)]
 GROUPS = [(2, 1), (3, 2), (2, BS)]  # (dcp, interleave)
 
 
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    """Whatever SHARDSERVE_NATIVE_KERNELS says in the caller's shell, the C path is on."""
-    monkeypatch.delenv("SHARDSERVE_NATIVE_KERNELS", raising=False)
-    nk.library.cache_clear()
-    yield
-    monkeypatch.undo()
-    nk.library.cache_clear()
+pytestmark = pytest.mark.usefixtures("native_kernels_on")  # tests/model/conftest.py
 
 
 @pytest.fixture(params=["native", "portable", "pytorch"])

@@ -22,22 +22,14 @@ import torch.nn.functional as F
 from shardserve.model import native_kernels as nk
 from shardserve.model.sampler import apply_token_bitmask_
 
-pytestmark = pytest.mark.skipif(
-    not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
-)
+pytestmark = [
+    pytest.mark.skipif(not nk.compiler_available(),
+                       reason="no C compiler (SHARDSERVE_CC): PyTorch path only"),
+    pytest.mark.usefixtures("native_kernels_on"),  # tests/model/conftest.py
+]
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
-
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled(monkeypatch):
-    """The C path under test, whatever SHARDSERVE_NATIVE_KERNELS says in the caller's shell."""
-    monkeypatch.delenv("SHARDSERVE_NATIVE_KERNELS", raising=False)
-    nk.library.cache_clear()
-    yield
-    monkeypatch.undo()
-    nk.library.cache_clear()
 
 
 @pytest.fixture(params=["native", "portable"])
