@@ -142,3 +142,18 @@ def _greedy(hf_model: Any, ids: list[int], n: int) -> list[int]:
         ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                 eos_token_id=2)
     return ref[0, len(ids):].tolist()
+
+
+def argmax_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy argmax over an HF (or peft) model's full-sequence logits, n tokens each, EOS not
+    special (ignore_eos): the oracle for the tiny random models."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(ids):])
+    return out

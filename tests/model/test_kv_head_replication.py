@@ -28,6 +28,7 @@ from shardserve.model.layers import QKVParallelLinear
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.lora import LoRABatch, LoRAWeights
 from shardserve.model.quantization import QuantizedTensor
+from tests.hf_oracle import argmax_greedy
 from tests.lora_helpers import make_peft_model
 from tests.model.test_llama import arch_from_hf, decode_scenario, hf_logits
 
@@ -46,18 +47,6 @@ def mqa_dir(tmp_path_factory, tiny_model_builder) -> Path:
 def _prompt_ids(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 11, 3, 17)]
-
-
-def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy argmax over HF's (or peft's) full-sequence logits, EOS not special (ignore_eos)."""
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            seq = list(ids)
-            for _ in range(n):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            out.append(seq[len(ids):])
-    return out
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], **kwargs) -> list[list[int]]:
@@ -90,8 +79,8 @@ def test_tp2_one_kv_head_on_mp_equals_uni_hf_and_peft(mqa_dir: Path, tmp_path: P
         llm.shutdown()
     # Both ranks cache the one KV head (the cache's head axis is 1 on each).
     assert [r[:2] for r in ranks] == [([0], 1), ([0], 1)] and {r[2][3] for r in ranks} == {1}
-    assert got == want == _hf_greedy(hf, prompts, N)
-    assert adapted == _hf_greedy(peft, prompts, N)
+    assert got == want == argmax_greedy(hf, prompts, N)
+    assert adapted == argmax_greedy(peft, prompts, N)
     assert adapted != got  # the adapter changes the output: its k/v rows are in use
 
 
