@@ -1,7 +1,8 @@
 """Context parallelism on mp: decode context parallel (the KV cache sharded by position over TP
 ranks) and prefill context parallel (a prompt split over ranks): float32 greedy equals HF
-transformers on the default model, chunked prefill of a long prompt with a preemption, the KV
-memory a 1-KV-head model saves, and a killed rank of a context group failing the engine fast."""
+transformers on the default model (chunked prefill of a long prompt:
+test_context_parallel_chunked.py), the KV memory a 1-KV-head model saves, DP replicas with
+structured outputs, and a killed rank of a context group failing the engine fast."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_helpers import generate_until_dead  # noqa: E402
 from greedy_cases import PROMPTS, greedy_tokens  # noqa: E402
-from pp_oracle import assert_matches_hf, oracle_prompt_ids  # noqa: E402
+from pp_oracle import assert_matches_hf  # noqa: E402
 
-_LAYOUTS = {
+LAYOUTS = {
     "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
     "pcp2": dict(prefill_context_parallel_size=2),
     "pcp3": dict(prefill_context_parallel_size=3),
@@ -47,7 +48,7 @@ def _collective_paths(worker) -> dict[str, tuple[int, int]]:
                               "pcp2-dcp2-sync"])
 def test_default_model_matches_hf(hf_default_greedy, layout, async_on):
     llm = LLM(dtype="float32", max_model_len=512, distributed_executor_backend="mp",
-              async_scheduling=async_on, **_LAYOUTS[layout])  # fmt: skip
+              async_scheduling=async_on, **LAYOUTS[layout])  # fmt: skip
     try:
         assert_matches_hf(llm, hf_default_greedy)
         paths = llm.collective_rpc(_collective_paths)
@@ -137,34 +138,6 @@ def _uni(model: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tp3_model(tmp_path_factory, tiny_model_builder) -> Path:
     return tiny_model_builder("LlamaForCausalLM", tmp_path_factory.mktemp("cp_tp3"), **TP3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pcp2", "tp3-dcp3", "pcp2-dcp2"])
-def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
-    """A 2,000-token prompt prefilled in chunks of 256 beside three oracle prompts, in a cache
-    too small for all of them at once: one request is preempted and recomputed."""
-    blocks = {"pcp2": 132, "tp3-dcp3": 45, "pcp2-dcp2": 66}[layout]  # DCP: blocks of 16 x DCP
-    llm = LLM(dtype="float32", max_model_len=2048, distributed_executor_backend="mp",
-              max_num_batched_tokens=256, num_blocks_override=blocks,
-              **_LAYOUTS[layout])  # fmt: skip
-    try:
-        tok = llm.get_tokenizer()
-        long_ids = tok.encode(" ".join(f"item {i} is {i * 7 % 13}." for i in range(300)))[:2000]
-        prompts = [long_ids, *oracle_prompt_ids(tok)[:3]]
-        params = SamplingParams(max_tokens=32, temperature=0)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert llm.engine.core.scheduler.total_preemptions > 0
-        for ids, out in zip(prompts, outs, strict=True):
-            assert out.outputs[0].token_ids == hf_default_greedy(ids, 32)
-        # Again: the long prompt's blocks come from the prefix cache (virtual blocks with DCP),
-        # the rest of it and the short ones are computed anew over them.
-        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                             use_tqdm=False)
-        assert llm.get_metrics()["prefix_cache_hits"] > 0
-        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
-    finally:
-        llm.shutdown()
 
 
 def _kv_facts(worker) -> tuple[int, int]:
