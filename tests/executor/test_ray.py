@@ -229,7 +229,7 @@ def test_speculative_decoding_on_every_ray_path(ray_cluster, echo_model, path_id
 
 # Context parallelism on every Ray path, the default model against HF: each layout on two
 # paths, async scheduling on for one and off for the other (mp runs every layout:
-# test_context_parallel.py).
+# test_context_parallel_mp.py).
 CONTEXT_PARALLEL = {
     "pcp2": dict(tensor_parallel_size=1, prefill_context_parallel_size=2),
     "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
