@@ -1,6 +1,7 @@
-"""Context parallelism on mp with chunked prefill: a 2,000-token prompt prefilled in chunks of
-256 beside three oracle prompts, a preemption, then the same again from the prefix cache; float32
-greedy equals HF transformers (a file of its own: two xdist workers share the suite's time)."""
+"""Context parallelism on mp with chunked prefill: a 2,000-token prompt (1,000 with DCP too)
+prefilled in chunks of 256 beside three oracle prompts, a preemption, then the same again from
+the prefix cache; float32 greedy equals HF transformers (a file of its own: two xdist workers
+share the suite's time)."""
 
 from __future__ import annotations
 
@@ -14,25 +15,31 @@ from shardserve import LLM, SamplingParams
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from pp_oracle import oracle_prompt_ids  # noqa: E402
 
+# layout -> (options, prompt tokens, max_model_len, cache blocks: a block holds 16 x DCP tokens).
+# PCP=2 takes the issue's 2,000 tokens; PCP=2 x DCP=2 (the split and the sharded cache at once)
+# 1,000, enough for 4 chunks and a preemption at half the suite's time. DCP within TP at chunk
+# boundaries runs the same shard kernel (unit-tested on prefill chunks over shards) and is on
+# the oracle prompts in test_context_parallel_mp.py.
 LAYOUTS = {
-    "pcp2": dict(prefill_context_parallel_size=2),
-    "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
-    "pcp2-dcp2": dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
+    "pcp2": (dict(prefill_context_parallel_size=2), 2000, 2048, 132),
+    "pcp2-dcp2": (dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
+                  1000, 1088, 36),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pcp2", "tp3-dcp3", "pcp2-dcp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
-    """A 2,000-token prompt prefilled in chunks of 256 beside three oracle prompts, in a cache
-    too small for all of them at once: one request is preempted and recomputed."""
-    blocks = {"pcp2": 132, "tp3-dcp3": 45, "pcp2-dcp2": 66}[layout]  # DCP: blocks of 16 x DCP
-    llm = LLM(dtype="float32", max_model_len=2048, distributed_executor_backend="mp",
-              max_num_batched_tokens=256, num_blocks_override=blocks,
-              **LAYOUTS[layout])  # fmt: skip
+    """A long prompt prefilled in chunks of 256 beside three oracle prompts, in a cache too
+    small for all of them at once: one request is preempted and recomputed."""
+    options, length, max_len, blocks = LAYOUTS[layout]
+    llm = LLM(dtype="float32", max_model_len=max_len, distributed_executor_backend="mp",
+              max_num_batched_tokens=256, num_blocks_override=blocks, **options)  # fmt: skip
     try:
         tok = llm.get_tokenizer()
-        long_ids = tok.encode(" ".join(f"item {i} is {i * 7 % 13}." for i in range(300)))[:2000]
+        text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(300))
+        long_ids = tok.encode(text)[:length]
+        assert len(long_ids) == length
         prompts = [long_ids, *oracle_prompt_ids(tok)[:3]]
         params = SamplingParams(max_tokens=32, temperature=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
