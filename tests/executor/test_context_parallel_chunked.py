@@ -1,5 +1,5 @@
-"""Context parallelism on mp with chunked prefill: a 2,000-token prompt (1,000 with DCP too)
-prefilled in chunks of 256 beside three oracle prompts, a preemption, then the same again from
+"""Context parallelism on mp with chunked prefill: a 2,000-token prompt (600 with DCP too)
+prefilled in chunks of 256 beside the oracle prompts, a preemption, then the same again from
 the prefix cache; float32 greedy equals HF transformers (a file of its own: two xdist workers
 share the suite's time)."""
 
@@ -16,14 +16,15 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from pp_oracle import oracle_prompt_ids  # noqa: E402
 
 # layout -> (options, prompt tokens, max_model_len, cache blocks: a block holds 16 x DCP tokens).
-# PCP=2 takes the issue's 2,000 tokens; PCP=2 x DCP=2 (the split and the sharded cache at once)
-# 1,000, enough for 4 chunks and a preemption at half the suite's time. DCP within TP at chunk
+# PCP=2 takes the issue's 2,000 tokens with all 8 oracle prompts (its 8-prompt HF check);
+# PCP=2 x DCP=2 (the split and the sharded cache at once) 600 and 3 of them, enough for 3
+# chunks and a preemption at a fraction of the suite's time. DCP within TP at chunk
 # boundaries runs the same shard kernel (unit-tested on prefill chunks over shards) and is on
 # the oracle prompts in test_context_parallel_mp.py.
 LAYOUTS = {
-    "pcp2": (dict(prefill_context_parallel_size=2), 2000, 2048, 132),
+    "pcp2-sync": (dict(prefill_context_parallel_size=2, async_scheduling=False), 2000, 2048, 136),
     "pcp2-dcp2": (dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
-                  1000, 1088, 36),
+                  600, 704, 22),
 }
 
 
@@ -40,7 +41,7 @@ def test_long_prompt_chunked_and_preempted(hf_default_greedy, layout):
         text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(300))
         long_ids = tok.encode(text)[:length]
         assert len(long_ids) == length
-        prompts = [long_ids, *oracle_prompt_ids(tok)[:3]]
+        prompts = [long_ids, *oracle_prompt_ids(tok)[:8 if length == 2000 else 3]]
         params = SamplingParams(max_tokens=32, temperature=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.engine.core.scheduler.total_preemptions > 0
