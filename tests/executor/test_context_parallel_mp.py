@@ -184,6 +184,7 @@ def test_killed_rank_of_a_context_group_fails_fast(tiny_llama_dir, layout):
         with pytest.raises(EngineDeadError) as err:
             generate_until_dead(llm, PROMPTS, params)
         elapsed = time.monotonic() - started - 0.5
+        print(f"{layout}: EngineDeadError {elapsed * 1000:.0f} ms after the kill")
         assert elapsed < 5.0  # the promise is 1 s; loose for a loaded 2-core machine
         where = "context shard 1" if layout == "pcp2" else "rank 1"
         for part in ("rank 1", where, "SIGKILL"):
