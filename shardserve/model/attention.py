@@ -87,7 +87,7 @@ class AttentionMetadata:
         _validate(query_lens, seq_lens, block_tables, block_size)
         q = torch.tensor(query_lens, dtype=torch.int64)
         s = torch.tensor(seq_lens, dtype=torch.int64)
-        bt = _pad_block_tables(block_tables)
+        bt = pad_block_tables(block_tables)
         starts = torch.cumsum(q, 0) - q  # first flat row of each request
         req_of_token = torch.repeat_interleave(torch.arange(len(q)), q)
         positions = torch.arange(int(q.sum())) - starts[req_of_token] + (s - q)[req_of_token]
@@ -129,7 +129,8 @@ def _validate(
             raise ValueError(f"request {i}: {len(bt)} blocks cannot hold {sl} tokens")
 
 
-def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[R, W] int64, each table padded with block 0 (real memory) to the longest."""
     width = max(len(b) for b in block_tables)
     return torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int64)
 

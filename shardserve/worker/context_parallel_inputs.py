@@ -34,7 +34,7 @@ import torch
 from shardserve.config import EngineConfig
 from shardserve.config.model_arch import kv_heads_of_rank
 from shardserve.distributed.parallel_state import GroupCoordinator
-from shardserve.model.attention import AttentionMetadata
+from shardserve.model.attention import AttentionMetadata, pad_block_tables
 from shardserve.model.context_parallel import ContextShards, rank_token_indices
 from shardserve.model.context_parallel_step import (
     DecodeContextStep,
@@ -81,9 +81,7 @@ def shard_rows(shards: ContextShards, meta: AttentionMetadata, rows: Rows) -> Sh
     q = torch.tensor(rows.query_lens, dtype=torch.int64)
     row_req = torch.repeat_interleave(torch.arange(len(q)), q)
     positions = meta.positions.cpu()
-    width = max(len(b) for b in rows.block_tables)
-    table = torch.tensor([b + [0] * (width - len(b)) for b in rows.block_tables],
-                         dtype=torch.int64)
+    table = pad_block_tables(rows.block_tables)
     owned = torch.nonzero(shards.owner(positions) == shards.rank).flatten()
     local = shards.local_index(positions[owned])
     bs = shards.block_size
@@ -180,14 +178,18 @@ class ContextParallel:
 
     def __init__(self, pcp: GroupCoordinator, dcp: GroupCoordinator,
                  shards: ContextShards | None, heads: DcpHeads | None, block_size: int,
-                 tp: GroupCoordinator) -> None:
+                 tp: GroupCoordinator, device: torch.device) -> None:
         self.pcp, self.dcp, self.tp = pcp, dcp, tp
         self.shards, self.heads = shards, heads
         self.block_size = block_size
+        # Which of the all-gathered KV heads the cache keeps (None: all, or no gather).
+        self.kv_select = None if heads is None or heads.select is None \
+            else torch.tensor(heads.select, device=device)
 
     @classmethod
     def build(cls, config: EngineConfig, block_size: int, tp: GroupCoordinator,
-              pcp: GroupCoordinator, dcp: GroupCoordinator) -> ContextParallel | None:
+              pcp: GroupCoordinator, dcp: GroupCoordinator, device: torch.device
+              ) -> ContextParallel | None:
         pc = config.parallel_config
         if pc.prefill_context_parallel_size == 1 and pc.decode_context_parallel_size == 1:
             return None
@@ -204,7 +206,7 @@ class ContextParallel:
         elif dcp.world_size > pcp.world_size:  # over TP x PCP: every head of the TP group
             heads = DcpHeads.of_group(arch.num_heads, arch.num_kv_heads, tp.world_size,
                                       list(range(tp.world_size)))
-        return cls(pcp, dcp, shards, heads, block_size, tp)
+        return cls(pcp, dcp, shards, heads, block_size, tp, device)
 
     @property
     def scheduler_block_size(self) -> int:
@@ -222,7 +224,7 @@ class ContextParallel:
         if self.pcp.world_size == 1:  # DCP within TP: every rank runs the whole step
             assert self.shards is not None
             meta.context = DecodeContextStep(self.dcp, shard_rows(self.shards, meta, rows),
-                                             self._kv_select(input_ids.device))
+                                             self.kv_select)
             return run(input_ids, meta)
         split = split_prefills(self.pcp, rows, meta.slot_mapping, input_ids.device)
         if self.shards is not None:  # DCP over the context shards (and TP)
@@ -231,20 +233,15 @@ class ContextParallel:
                                                split.recv_full, meta.num_tokens,
                                                shard_rows(self.shards, meta, rows),
                                                None if self.heads is None else self.tp,
-                                               self._kv_select(input_ids.device))
+                                               self.kv_select)
         elif split.step is None:  # nothing split: every rank runs the whole step
             local = meta
         else:
             local = self._local_meta(split, meta, input_ids.device)
             local.context = split.step
-        hidden = run(input_ids.index_select(0, split.local_index), local)
+        hidden = run(input_ids if split.step is None  # no row split: every row, in order
+                     else input_ids.index_select(0, split.local_index), local)
         return None if hidden is None else split.gather_hidden(hidden, meta.num_tokens)
-
-    def _kv_select(self, device: torch.device) -> torch.Tensor | None:
-        """Which of the all-gathered KV heads the cache keeps (None: all, or no gather)."""
-        if self.heads is None or self.heads.select is None:
-            return None
-        return torch.tensor(self.heads.select).to(device)
 
     def _local_meta(self, split: PrefillSplit, meta: AttentionMetadata, device: torch.device
                     ) -> AttentionMetadata:

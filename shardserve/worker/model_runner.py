@@ -94,7 +94,7 @@ class ModelRunner:
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
         self.cp = ContextParallel.build(self.config, self.block_size, get_tp_group(),
-                                        get_pcp_group(), get_dcp_group())
+                                        get_pcp_group(), get_dcp_group(), self.device)
         if self.loras is not None:
             self.loras.attach(self.model)
         if self.config.speculative_config is not None and self._proposes() \
