@@ -167,6 +167,8 @@ def _check_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         raise ValueError(f"partial_attention: row_req {tuple(row_req.shape)} and num_visible "
                          f"{tuple(num_visible.shape)} must have one entry per query row "
                          f"({q.shape[0]})")
+
+
 def _partial_attention_c(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, row_req: torch.Tensor,
     num_visible: torch.Tensor, scale: float,
