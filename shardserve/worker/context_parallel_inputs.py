@@ -177,27 +177,27 @@ class ContextParallel:
     """This rank's context parallelism, built once; it runs each step's forward."""
 
     def __init__(self, pcp: GroupCoordinator, dcp: GroupCoordinator,
-                 shards: ContextShards | None, heads: DcpHeads | None, block_size: int,
-                 tp: GroupCoordinator, device: torch.device) -> None:
+                 shards: ContextShards | None, heads: DcpHeads | None,
+                 virtual_block_size: int, tp: GroupCoordinator, device: torch.device) -> None:
         self.pcp, self.dcp, self.tp = pcp, dcp, tp
         self.shards, self.heads = shards, heads
-        self.block_size = block_size
+        self.virtual_block_size = virtual_block_size  # the scheduler's tables' blocks
         # Which of the all-gathered KV heads the cache keeps (None: all, or no gather).
         self.kv_select = None if heads is None or heads.select is None \
             else torch.tensor(heads.select, device=device)
 
     @classmethod
-    def build(cls, config: EngineConfig, block_size: int, tp: GroupCoordinator,
+    def build(cls, config: EngineConfig, tp: GroupCoordinator,
               pcp: GroupCoordinator, dcp: GroupCoordinator, device: torch.device
               ) -> ContextParallel | None:
         pc = config.parallel_config
-        if pc.prefill_context_parallel_size == 1 and pc.decode_context_parallel_size == 1:
+        if not pc.context_parallel:
             return None
         shards = heads = None
         if dcp.world_size > 1:
             shards = ContextShards(size=dcp.world_size, rank=dcp.rank,
                                    interleave=pc.cp_kv_cache_interleave_size,
-                                   block_size=block_size)
+                                   block_size=config.cache_config.block_size)
         arch = config.model_config.arch
         if dcp.world_size > 1 and pcp.world_size == 1:  # within a TP group: consecutive ranks
             first = tp.rank - dcp.rank
@@ -206,12 +206,7 @@ class ContextParallel:
         elif dcp.world_size > pcp.world_size:  # over TP x PCP: every head of the TP group
             heads = DcpHeads.of_group(arch.num_heads, arch.num_kv_heads, tp.world_size,
                                       list(range(tp.world_size)))
-        return cls(pcp, dcp, shards, heads, block_size, tp, device)
-
-    @property
-    def scheduler_block_size(self) -> int:
-        """Tokens of one block of the scheduler's tables (a virtual block with DCP)."""
-        return self.block_size * (1 if self.shards is None else self.shards.size)
+        return cls(pcp, dcp, shards, heads, config.virtual_block_size, tp, device)
 
     def cache_kv_heads(self, local_num_kv_heads: int) -> int:
         return local_num_kv_heads if self.heads is None else len(self.heads.heads)
@@ -251,4 +246,4 @@ class ContextParallel:
         # and one padded group would give the early one the late one's context.
         r = split.rows
         return AttentionMetadata.build(r.query_lens, r.seq_lens, r.block_tables,
-                                       self.scheduler_block_size, device, prefill_per_row=True)
+                                       self.virtual_block_size, device, prefill_per_row=True)

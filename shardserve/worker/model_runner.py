@@ -93,8 +93,8 @@ class ModelRunner:
         model.load_weights(iter_weights(self.config.model_config.path,
                                         keep_quantized=quantization == "gguf"))
         self.model = model.eval()
-        self.cp = ContextParallel.build(self.config, self.block_size, get_tp_group(),
-                                        get_pcp_group(), get_dcp_group(), self.device)
+        self.cp = ContextParallel.build(self.config, get_tp_group(), get_pcp_group(),
+                                        get_dcp_group(), self.device)
         if self.loras is not None:
             self.loras.attach(self.model)
         if self.config.speculative_config is not None and self._proposes() \
@@ -303,9 +303,8 @@ class ModelRunner:
 
     def _metadata(self, rows: Rows) -> AttentionMetadata:
         """The full step's metadata (with DCP its block tables count virtual blocks)."""
-        block_size = self.block_size if self.cp is None else self.cp.scheduler_block_size
         return AttentionMetadata.build(rows.query_lens, rows.seq_lens, rows.block_tables,
-                                       block_size, self.device)
+                                       self.config.virtual_block_size, self.device)
 
     def _prepare_inputs(
         self, states: list[CachedRequestState], query_lens: list[int], drafts: list[list[int]]
