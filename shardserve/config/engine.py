@@ -18,6 +18,7 @@ from shardserve.config.checks import check as _check
 from shardserve.config.lora import LoRAConfig
 from shardserve.config.model import DeviceConfig, ModelConfig
 from shardserve.config.parallel import MultiNodeConfig, ParallelConfig, RayConfig
+from shardserve.config.recovery import RecoveryConfig
 from shardserve.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    recovery_config: RecoveryConfig = field(default_factory=RecoveryConfig)
     speculative_config: SpeculativeConfig | dict | str | None = None
     """Speculative decoding without a draft model, as a JSON object on the command line:
     {"method": "ngram", "num_speculative_tokens": 3} (prompt lookup; prompt_lookup_min/max,
@@ -235,6 +237,7 @@ OWNERS: dict[str, type] = {
     "multinode": MultiNodeConfig,
     "scheduler_config": SchedulerConfig,
     "observability_config": ObservabilityConfig,
+    "recovery_config": RecoveryConfig,
     "lora_config": LoRAConfig,
     "engine_config": EngineConfig,
 }

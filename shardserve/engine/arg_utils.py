@@ -34,6 +34,7 @@ from shardserve.config import (
 )
 from shardserve.config.engine import NOT_OPTIONS
 from shardserve.config.lora import LoRAConfig
+from shardserve.config.recovery import RecoveryConfig
 from shardserve.engine.config_builder import engine_config_from_kwargs
 
 ENGINE_CONFIGS: tuple[type, ...] = (
@@ -46,6 +47,7 @@ ENGINE_CONFIGS: tuple[type, ...] = (
     SchedulerConfig,
     DeviceConfig,
     ObservabilityConfig,
+    RecoveryConfig,
     LoRAConfig,
 )
 # Fields that are not flags: those that are no options (`model` is --model, ModelConfig.device
@@ -55,7 +57,8 @@ _HIDDEN_ENGINE_FIELDS: dict[type, frozenset[str]] = {
     ParallelConfig: frozenset({*NOT_OPTIONS[ParallelConfig], "data_parallel_rank"}),
 }
 # The engine's `seed` would clash with the per-request sampling --seed.
-_ENGINE_RENAMES = {"seed": "engine-seed"}
+_ENGINE_RENAMES = {"seed": "engine-seed", "engine_restart_window_s": "engine-restart-window",
+                   "engine_restart_timeout_s": "engine-restart-timeout"}
 # Short forms, as vLLM spells them.
 _ENGINE_SHORT = {"decode_context_parallel_size": "-dcp", "prefill_context_parallel_size": "-pcp"}
 # Help for fields without an attribute docstring in config.py (the docstring wins when added).

@@ -75,6 +75,12 @@ class NoMetrics:
 
     def on_rejected(self, reason: str) -> None: ...
 
+    def on_engine_restart(self, engine: int) -> None: ...
+
+    def on_requests_migrated(self, count: int) -> None: ...
+
+    def on_requests_failed_after_migration(self, count: int) -> None: ...
+
 
 class _OutputCollector:
     """The newest cumulative output of one request not yet taken, or the error that ended it
@@ -197,6 +203,19 @@ class AsyncEngineClient:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def health(self) -> str:
+        """"ok" (every replica serves), "degraded" (some replica is down or restarting, at
+        least one serves) or "dead" (none serves: the engine failed)."""
+        if self.dead_error is not None:
+            return "dead"
+        return "degraded" if self.replicas_down else "ok"
+
+    @property
+    def replicas_down(self) -> list[int]:
+        """Replicas that died and are being restarted (replica_recovery.py)."""
+        return []
 
     # ---- requests ----
     def check_alive(self) -> None:
