@@ -4,13 +4,15 @@ dp_router.py).
 
 Tokenization happens in `add_request`, detokenization in the outputs loop (an asyncio task that
 reads the output socket and feeds the OutputProcessor), so both overlap the engine's model steps.
-Each request gets an _OutputCollector: outputs are cumulative, so a newer one replaces one the
+Each request gets an OutputCollector: outputs are cumulative, so a newer one replaces one the
 client has not taken yet, and a request holds one output however slowly its client reads.
 
 Failure: a "dead" message from an engine core, or any engine process exiting (sentinel
-readable), marks the client dead (one replica down fails the whole engine, as a worker does);
-every collector receives the EngineDeadError, so every open request ends at once, and
-new requests are refused with it; then `on_dead` (the server's exit) runs.
+readable), is that replica's death. With restarts allowed (RecoveryConfig, replica_recovery.py)
+the replica is restarted and its requests move on, unseen by their clients; otherwise (or past
+the restart bound) it marks the client dead: every collector receives the EngineDeadError, so
+every open request ends at once, and new requests are refused with it; then `on_dead` (the
+server's exit) runs.
 
 Admission (`max_queued`): engine requests beyond the engine's batch (`max_num_seqs`) wait in its
 queue; past `max_queued` of them a new request is refused with QueueFullError (503 +
@@ -33,78 +35,22 @@ from typing import Any
 from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.engine.async_mp_client import AsyncMPClient
+from shardserve.engine.async_outputs import NoMetrics, OutputCollector, QueueFullError
 from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
 from shardserve.engine.core_wire import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
-from shardserve.engine.input_processor import InputProcessor
+from shardserve.engine.dp_router import NoReplicaUpError
+from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from shardserve.engine.lora_requests import AsyncFrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
+from shardserve.engine.replica_recovery import ReplicaRecovery
 from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.errors import EngineDeadError
 from shardserve.lora.request import LoRARequest
-from shardserve.messages import EngineCoreOutput
 from shardserve.model.loader import load_tokenizer
 from shardserve.outputs import RequestOutput
 from shardserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_RETRY_AFTER_S = 1
-
-
-class QueueFullError(Exception):
-    """Too many requests waiting for the engine: answered 503 with Retry-After."""
-
-    retry_after_s = _RETRY_AFTER_S
-
-
-class NoMetrics:
-    """What AsyncEngineClient reports, and where nobody keeps it (the server's ServerMetrics
-    has the same methods)."""
-
-    def set_replicas(self, serving: int, indices: list[int]) -> None: ...
-
-    def remove_replica(self, index: int) -> None: ...
-
-    def on_stats(self, engine: int, stats: SchedulerStats) -> None: ...
-
-    def on_request_added(self, engine_ids: list[str], num_prompt_tokens: int) -> None: ...
-
-    def on_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None: ...
-
-    def on_finished(self, engine_ids: list[str], reason: str) -> None: ...
-
-    def on_rejected(self, reason: str) -> None: ...
-
-    def on_engine_restart(self, engine: int) -> None: ...
-
-    def on_requests_migrated(self, count: int) -> None: ...
-
-    def on_requests_failed_after_migration(self, count: int) -> None: ...
-
-
-class _OutputCollector:
-    """The newest cumulative output of one request not yet taken, or the error that ended it
-    (an error replaces an untaken output and is never replaced)."""
-
-    def __init__(self) -> None:
-        self._item: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if not isinstance(self._item, BaseException):
-            self._item = item
-            self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        item = self._item
-        if isinstance(item, BaseException):
-            raise item
-        self._ready.clear()
-        self._item = None
-        assert item is not None
-        return item
-
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
@@ -123,7 +69,7 @@ class AsyncEngineClient:
                                          stream_interval=stream_interval)
         self.metrics = NoMetrics() if metrics is None else metrics
         self.dead_error: str | None = None
-        self._queues: dict[str, _OutputCollector] = {}
+        self._queues: dict[str, OutputCollector] = {}
         self._closing = False
         self._draining = False  # a stop signal came: refuse new requests, end open ones
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +80,10 @@ class AsyncEngineClient:
         # Spawns every replica's engine core and waits until each has loaded its model.
         self.replicas = AsyncMPClient(config, start_timeout_s)
         self.router = self.replicas.router
+        self.replica_set = self.replicas.replica_set
+        # Each open child request as sent, to move it if its replica dies (replica_recovery.py).
+        self._core_requests: dict[str, EngineCoreRequest] = {}
+        self.recovery = ReplicaRecovery(config.recovery_config, self)
         self.loras = AsyncFrontEndLoRAs(config, self.call)  # add/remove/pin/list adapters
         self.metrics.set_replicas(len(self.router.serving), self.router.replicas)
 
@@ -155,6 +105,7 @@ class AsyncEngineClient:
         if self._closing:
             return
         self._closing = True
+        await self.recovery.stop()
         await self.replicas.stop()
         if self._stats_task is not None:
             self._stats_task.cancel()
@@ -210,12 +161,14 @@ class AsyncEngineClient:
         least one serves) or "dead" (none serves: the engine failed)."""
         if self.dead_error is not None:
             return "dead"
-        return "degraded" if self.replicas_down else "ok"
+        if self.replicas_down:
+            return "degraded" if self.router.serving else "restarting"
+        return "ok"
 
     @property
     def replicas_down(self) -> list[int]:
         """Replicas that died and are being restarted (replica_recovery.py)."""
-        return []
+        return sorted(self.router.down)
 
     # ---- requests ----
     def check_alive(self) -> None:
@@ -236,7 +189,7 @@ class AsyncEngineClient:
             raise QueueFullError(
                 f"the engine's queue is full: {max(waiting, 0)} requests waiting, this one "
                 f"adds {num_engine_requests}, the limit is {self.max_queued} "
-                f"(--max-queued-requests); retry after {_RETRY_AFTER_S} s"
+                f"(--max-queued-requests); retry after {QueueFullError.retry_after_s} s"
             )
 
     async def generate(
@@ -265,20 +218,30 @@ class AsyncEngineClient:
     async def _add_request(
         self, request_id: str, prompt: tuple[str | None, list[int]], params: SamplingParams,
         priority: int = 0, lora_request: LoRARequest | None = None,
-    ) -> _OutputCollector:
+    ) -> OutputCollector:
         req = self.inputs.process(request_id, prompt, params, priority, lora_request)
         ids, children = req.prompt_token_ids, req.children
         core_requests = req.core_requests()
         # First, as it may refuse (every replica asleep): nothing is registered then.
-        replica = self.router.assign([r.request_id for r in core_requests])
-        queue = _OutputCollector()
+        replica = await self._assign([r.request_id for r in core_requests])
+        queue = OutputCollector()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
         self._tokens_since_log[0] += len(ids) * len(children)
         for core_request in core_requests:
+            self._core_requests[core_request.request_id] = core_request
             await self._send(replica, EngineRequest("add", request=core_request))
         return queue
+
+    async def _assign(self, child_ids: list[str]) -> int:
+        """The replica for a request; while every replica restarts, wait (bounded) for one."""
+        try:
+            return self.router.assign(child_ids)
+        except NoReplicaUpError:
+            await self.recovery.wait_for_replica()
+            self.check_alive()
+            return self.router.assign(child_ids)
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.processor.child_ids(request_id)
@@ -288,6 +251,8 @@ class AsyncEngineClient:
 
     async def _abort_children(self, child_ids: list[str]) -> None:
         """Tell each owning replica; the ids stop counting as open either way."""
+        for cid in child_ids:
+            self._core_requests.pop(cid, None)
         owners = self.router.by_owner(child_ids)
         self.router.finished(child_ids)
         if self._closing or self.dead_error is not None:
@@ -302,6 +267,9 @@ class AsyncEngineClient:
     async def scale(self, data_parallel_size: int) -> list[int]:
         """Serve with `data_parallel_size` replicas (see replica_set.py)."""
         self.check_alive()
+        if self.replicas_down:
+            raise ValueError(f"engine replicas {self.replicas_down} are restarting after a "
+                             f"failure; re-scale once /health says ok")
         serving = await self.replicas.scale(data_parallel_size)
         self.metrics.set_replicas(len(serving), self.router.replicas)
         return serving
@@ -316,13 +284,15 @@ class AsyncEngineClient:
         try:
             while True:
                 msg = await self.replicas.recv()
+                if not self.replica_set.is_current(msg):
+                    continue  # sent by a replica that died since (its requests moved on)
                 self._handle(msg)
                 for index in await self.replicas.retire_drained():
                     self.metrics.remove_replica(index)
                 if msg.dead_error is not None:
-                    self._mark_dead(f"the engine died: {self._name(msg.engine_index)}"
-                                    f"{msg.dead_error}")
-                    return
+                    self._replica_died(msg.engine_index, msg.dead_error)
+                    if self.dead_error is not None:
+                        return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests hanging
@@ -338,7 +308,10 @@ class AsyncEngineClient:
             self.metrics.on_stats(msg.engine_index, msg.stats)
         if msg.utility is not None:
             self.replicas.on_utility(msg)
-        self.router.finished([o.request_id for o in msg.outputs if o.finished])
+        done = [o.request_id for o in msg.outputs if o.finished]
+        self.router.finished(done)
+        for rid in done:
+            self._core_requests.pop(rid, None)
         if not msg.outputs:
             return
         now = time.monotonic()
@@ -374,8 +347,43 @@ class AsyncEngineClient:
 
     def _on_process_exit(self, proc: EngineCoreProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
-        if not self._closing:  # describe_exit reaps it first (bounded), to name the status
-            self._mark_dead(describe_exit(proc))
+        if self._closing or self.replica_set.group.procs.get(proc.engine_index) is not proc:
+            return  # stopping, or a replica already taken down (its restart is under way)
+        # describe_exit reaps it first (bounded), to name the status.
+        self._replica_died(proc.engine_index, describe_exit(proc))
+
+    def _replica_died(self, index: int, cause: str) -> None:
+        if self._closing or self.dead_error is not None:
+            return
+        if not self.recovery.on_death(index, cause):
+            bound = (f" (restart bound reached: {self.recovery.budget.describe()})"
+                     if self.recovery.enabled else "")
+            self._mark_dead(f"the engine died: {self._name(index)}{cause}{bound}")
+
+    # ---- what replica recovery asks (replica_recovery.RecoveryHost) ----
+    def produced(self, child_id: str) -> list[int] | None:
+        return self.processor.produced(child_id)
+
+    def parent_of(self, child_id: str) -> str | None:
+        return self.processor.parent_of(child_id)
+
+    def core_request(self, child_id: str) -> EngineCoreRequest | None:
+        return self._core_requests.get(child_id)
+
+    def fail_request(self, parent_id: str, error: str) -> None:
+        children = self.processor.child_ids(parent_id)
+        for cid in children:
+            self._core_requests.pop(cid, None)
+        self.router.finished(children)
+        self.processor.abort(parent_id)
+        if (queue := self._queues.get(parent_id)) is not None:
+            queue.put(EngineDeadError(error))
+
+    async def send_add(self, replica: int, request: EngineCoreRequest) -> None:
+        await self._send(replica, EngineRequest("add", request=request))
+
+    def mark_dead(self, error: str) -> None:
+        self._mark_dead(error)
 
     def _mark_dead(self, error: str) -> None:
         first = self.dead_error is None and not self._closing

@@ -136,6 +136,8 @@ class EngineCore:
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             request.grammar = self.structured.grammar_for(spec)
+            # A moved request (input_processor.py): the matcher takes its tokens once ready.
+            request.grammar.replay = list(request.output_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -18,9 +18,11 @@ Stop: the front end closes the death pipe (and usually sends "shutdown" first), 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -126,6 +128,11 @@ class EngineCoreGroup:
         self.tmpdir = tempfile.mkdtemp(prefix="shardserve-engine-")
         self.output_addr = f"ipc://{self.tmpdir}/out"
         self.procs: dict[int, EngineCoreProcess] = {}
+        # A replica may be (re)started from a thread while the front end stops the group: the
+        # start's hand-over and the stop are serialised, and a start that ends after the stop
+        # stops what it started (nothing is left behind).
+        self._lock = threading.Lock()
+        self._closed = False
         # A front end that is never shut down must not hang the interpreter's exit:
         # multiprocessing joins non-daemon children at exit, and ours wait for their death
         # pipe. Registered after multiprocessing's own hook, so it runs first.
@@ -182,10 +189,13 @@ class EngineCoreGroup:
             deadline = time.monotonic() + timeout_s
             for proc in new:
                 proc.wait_ready(deadline)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the engine was stopped while replicas started")
+                self.procs.update({p.engine_index: p for p in new})
         except BaseException:
             _stop_all(new)
             raise
-        self.procs.update({p.engine_index: p for p in new})
 
     def stop_one(self, index: int) -> None:
         """Stop one replica that was told to shut down, and forget it."""
@@ -198,6 +208,8 @@ class EngineCoreGroup:
         """Stop every process (in parallel: each has its own deadline), remove the sockets;
         then leave Ray, stopping it if it was started here (after the replicas removed their
         placement groups)."""
+        with self._lock:
+            self._closed = True
         self._finalizer()
         atexit.unregister(self._finalizer)
         if self._ray is not None:
@@ -223,4 +235,9 @@ def _stop_all(procs: list[EngineCoreProcess]) -> None:
 
 def describe_exit(proc: EngineCoreProcess) -> str:
     proc.proc.join(timeout=1.0)  # the sentinel turns readable a moment before the exit status
-    return f"{proc.describe()} exited unexpectedly (exit code {proc.proc.exitcode})"
+    code = proc.proc.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            how += f", {signal.Signals(-code).name}"
+    return f"{proc.describe()} exited unexpectedly ({how})"

@@ -97,6 +97,7 @@ class EngineCoreLoop:
         self.core = core
         self.death = death
         self.engine_index = engine_index
+        self._pid = os.getpid()  # names this incarnation of the replica (core_wire.py)
         self.requests_added = 0
         self.orphaned = False  # the API server died without telling us
         self.ctx = zmq.Context()
@@ -200,5 +201,5 @@ class EngineCoreLoop:
         self._send(EngineOutputs([], self._stats(), dead_error=error))
 
     def _send(self, msg: EngineOutputs) -> None:
-        msg.engine_index = self.engine_index
+        msg.engine_index, msg.pid = self.engine_index, self._pid
         self.output.send(encode(msg), copy=False)

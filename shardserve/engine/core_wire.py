@@ -115,6 +115,9 @@ class EngineOutputs:
     timestamp: float = field(default_factory=time.monotonic)
     dead_error: str | None = None
     engine_index: int = 0  # the data-parallel replica that sent it
+    # Its engine-core process: a replica restarted after a death (replica_recovery.py) keeps its
+    # index, so what its dead predecessor sent last is told apart by pid and dropped.
+    pid: int = 0
     utility: UtilityResult | None = None  # the answer to a "utility" message
 
 

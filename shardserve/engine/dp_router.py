@@ -7,6 +7,9 @@ spread instead of piling onto the replica that looked idle. Ties go to the repli
 the fewest requests. All children of one request (`n` > 1) go to one replica (they share the
 prompt's KV blocks through its prefix cache), and aborts go to the owner.
 
+Recovery (replica_recovery.py): a replica that died is `down` until its restart is ready: it takes
+no request, and the requests it owned are handed back (`take_down`) to be moved.
+
 Re-scaling: replicas are keyed by index. A replica being removed is `draining`: it takes no new
 request and leaves once it owns none (`drained()` names those ready to stop); a scale-up before
 then takes it back instead of starting another.
@@ -45,12 +48,17 @@ class NoReplicaError(RuntimeError):
     """No replica can take a request now (all asleep)."""
 
 
+class NoReplicaUpError(NoReplicaError):
+    """Every replica that could take a request is down (restarting): wait for one."""
+
+
 class ReplicaRouter:
     def __init__(self, num_replicas: int) -> None:
         self.stats: dict[int, SchedulerStats] = {}
         self.sent: dict[int, int] = {}
         self.draining: set[int] = set()
         self.asleep: set[int] = set()  # put to sleep: no new request until woken
+        self.down: set[int] = set()  # died; restarting (replica_recovery.py)
         self.owner: dict[str, int] = {}
         for i in range(num_replicas):
             self.add_replica(i)
@@ -62,7 +70,8 @@ class ReplicaRouter:
 
     @property
     def serving(self) -> list[int]:
-        return [i for i in self.replicas if i not in self.draining]
+        """Replicas up and not draining (utility calls go to these)."""
+        return [i for i in self.replicas if i not in self.draining and i not in self.down]
 
     def plan_scale(self, size: int) -> tuple[list[int], list[int]]:
         """Re-scale to `size` serving replicas, for the offline client and the server alike:
@@ -99,6 +108,8 @@ class ReplicaRouter:
 
     def pick(self) -> int:
         awake = [i for i in self.serving if i not in self.asleep]
+        if not awake and self.down:
+            raise NoReplicaUpError(f"no engine replica is up: {sorted(self.down)} restarting")
         if not awake:
             raise NoReplicaError("every engine replica is asleep; wake one up first (wake_up, "
                                  "or POST /wake_up on the server)")
@@ -111,6 +122,22 @@ class ReplicaRouter:
             self.owner[rid] = replica
         self.sent[replica] += len(request_ids)
         return replica
+
+    def take_down(self, replica: int) -> list[str]:
+        """A replica died: it takes nothing until `bring_up`; returns the ids it owned (now
+        owned by nobody, to be moved)."""
+        self.down.add(replica)
+        self.stats[replica] = SchedulerStats()  # what it ran is gone (moved)
+        owned = [rid for rid, r in self.owner.items() if r == replica]
+        for rid in owned:
+            del self.owner[rid]
+        return owned
+
+    def bring_up(self, replica: int) -> None:
+        """Its restart is ready: fresh figures, routed to again."""
+        self.down.discard(replica)
+        self.asleep.discard(replica)
+        self.add_replica(replica)
 
     def on_stats(self, replica: int, stats: SchedulerStats) -> None:
         if replica in self.stats:

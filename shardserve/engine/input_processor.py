@@ -40,11 +40,16 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     lora_request: LoRARequest | None = None
+    # A request moved from a replica that died (engine/replica_recovery.py): the tokens it had
+    # produced there. The core takes it as a request preempted after them: it recomputes prompt
+    # + these, its sampling positions (seeds), budget, penalties and grammar go on from there.
+    output_token_ids: tuple[int, ...] = ()
 
     def to_request(self) -> Request:
         """The engine core's own bookkeeping object for it (built on the core's side)."""
         return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
                        eos_token_ids=self.eos_token_ids, priority=self.priority,
+                       output_token_ids=list(self.output_token_ids),
                        lora_request=self.lora_request)
 
 

@@ -110,6 +110,18 @@ class OutputProcessor:
         state = self._requests.get(request_id)
         return list(state.children) if state else []
 
+    def parent_of(self, child_id: str) -> str | None:
+        return self._parent_of.get(child_id)
+
+    def produced(self, child_id: str) -> list[int] | None:
+        """The tokens an open child request has produced so far (None: finished, or unknown).
+        What a replica that takes it over continues from (replica_recovery.py)."""
+        parent = self._parent_of.get(child_id)
+        if parent is None:
+            return None
+        child = self._requests[parent].children[child_id]
+        return None if child.finish_reason is not None else list(child.token_ids)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

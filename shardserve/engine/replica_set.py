@@ -15,10 +15,17 @@ share of the cores and of the CPU KV budget), and the running ones are then told
 of the cores (their KV cache stays as allocated). Removed replicas (the highest indices) take no
 new request at once (the router's `draining`) and are retired once the requests they run have
 finished: the client checks `take_drained()` after every message.
+
+Recovery (replica_recovery.py): a replica that died is taken down (`take_down`: unwatched, its
+calls answered with the death, its requests handed back), stopped (`stop_dead`, blocking: its
+workers too), started again at the same index with the config it had (`restart`, blocking) and
+routed to once ready (`add_restarted`). A message its dead predecessor sent before dying may still
+be queued: `is_current` tells it apart by the sender's pid, and the client drops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -30,6 +37,7 @@ import zmq
 from shardserve.config import EngineConfig
 from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess
 from shardserve.engine.core_wire import (
+    SHUTDOWN,
     EngineOutputs,
     EngineRequest,
     UtilityCall,
@@ -105,6 +113,8 @@ class ReplicaSet:
         self._unwatch: Watch | None = None
         self._calls: dict[int, PendingCall] = {}
         self._call_ids = itertools.count()
+        # The config each replica started with (a re-scale starts new ones with another).
+        self._configs: dict[int, EngineConfig] = dict.fromkeys(self.group.procs, config)
 
     def open(self, ctx: zmq.Context, watch: Watch, unwatch: Watch) -> None:
         """Bind the output socket and every replica's input socket; `watch(proc)` each process
@@ -156,6 +166,7 @@ class ReplicaSet:
     def start_replicas(self, plan: ScalePlan) -> None:
         """Blocking (model loading): start the plan's new replicas; then `add_started`."""
         self.group.start(plan.config, plan.new, self.start_timeout_s)
+        self._configs.update(dict.fromkeys(plan.new, plan.config))
 
     def add_started(self, plan: ScalePlan) -> None:
         """Connect the replicas just started and route to them."""
@@ -179,6 +190,46 @@ class ReplicaSet:
     def forget(self, index: int) -> None:
         self.ins.pop(index).close(linger=0)
         logger.info("engine core %d stopped (scaled down)", index)
+
+    # ---- recovery ----
+    def is_current(self, msg: EngineOutputs) -> bool:
+        """Sent by the replica's live process (not a dead predecessor, not a replica down)."""
+        proc = self.group.procs.get(msg.engine_index)
+        return (proc is not None and msg.engine_index not in self.router.down
+                and msg.pid in (0, proc.proc.pid))
+
+    def take_down(self, index: int, cause: str) -> list[str]:
+        """Replica `index` died: no longer watched or routed to; calls waiting on it are
+        answered with `cause`; returns the request ids it owned."""
+        proc = self.group.procs.get(index)
+        if proc is not None and self._unwatch is not None:
+            self._unwatch(proc)
+        for call in list(self._calls.values()):
+            if index in call.targets:
+                call.answer(index, UtilityResult(call.call_id, error=f"EngineDeadError: {cause}"))
+        return self.router.take_down(index)
+
+    def close_input(self, index: int) -> None:
+        """In the client's thread (sockets are not thread-safe): a dead replica's input socket,
+        after a last "shutdown" (an engine core whose worker died is still up, ending)."""
+        sock = self.ins.pop(index, None)
+        if sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(encode(SHUTDOWN), zmq.NOBLOCK)
+            sock.close(linger=0)
+
+    def stop_dead(self, index: int) -> None:
+        """Blocking, after close_input: stop what is left of a dead replica (its workers)."""
+        if index in self.group.procs:
+            self.group.stop_one(index)
+
+    def restart(self, index: int, timeout_s: float) -> None:
+        """Blocking (model loading): start replica `index` again as it was."""
+        self.group.start(self._configs[index], [index], timeout_s)
+
+    def add_restarted(self, index: int) -> None:
+        self._bind([index])
+        self.router.bring_up(index)
 
     # ---- shutdown ----
     def stop_watching(self) -> list[int]:

@@ -27,7 +27,7 @@ import logging
 import math
 import re
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,9 @@ class RequestGrammar:
     matcher: Any = None
     num_accepted: int = 0  # output tokens the matcher has taken
     failed: str | None = None  # why the request cannot run (compile error, rejected token)
+    # Output tokens produced before the request reached this core (a moved request): the
+    # matcher takes them as soon as it exists, before any step of the request.
+    replay: list[int] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -111,6 +114,11 @@ class RequestGrammar:
             self.matcher = _xgr().GrammarMatcher(self.compiled.result())
         except Exception as e:  # noqa: BLE001 - reported on the request
             self.failed = f"the grammar did not compile: {e}"
+            return True
+        replay, self.replay = self.replay, []
+        for token in replay:
+            if not self.accept(token):
+                break
         return True
 
     def accept(self, token: int) -> bool:

@@ -152,7 +152,8 @@ class ServeCommand:
         args.model = _model_arg(args.model_tag, args.model)
         chat_template = _chat_template(args.chat_template)
         limits = ServerLimits.from_args(args)
-        config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
+        config = _with_server_recovery(engine_config_from_kwargs(args.model,
+                                                                  **engine_kwargs(args)))
         if config.parallel_config.distributed_executor_backend == "external_launcher":
             raise ValueError(
                 "--distributed-executor-backend external_launcher runs a whole engine in every "
@@ -206,6 +207,20 @@ def _run_headless(args: argparse.Namespace) -> int:
         except _Terminated:
             logger.info("terminated")
             return 0
+
+
+def _with_server_recovery(config: Any) -> Any:
+    """The server restarts a dead replica (5 times within 10 minutes) unless told otherwise
+    (--max-engine-restarts); LLM and AsyncLLM do not by default."""
+    from dataclasses import replace
+
+    from shardserve.config.recovery import SERVER_MAX_ENGINE_RESTARTS
+
+    recovery = config.recovery_config
+    if recovery.max_engine_restarts is not None:
+        return config
+    return replace(config, recovery_config=replace(
+        recovery, max_engine_restarts=SERVER_MAX_ENGINE_RESTARTS))
 
 
 def _tool_parser(args: argparse.Namespace) -> str | None:

@@ -135,7 +135,7 @@ def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
         reader, killed_at = kill_engine_mid_request(server)
         assert_dead_error(server, reader, killed_at)
         # The cause is named with the collected exit status (-9: SIGKILL), not "None".
-        assert "exited unexpectedly (exit code -9)" in server.log(), server.log()[-2000:]
+        assert "exited unexpectedly (exit code -9, SIGKILL)" in server.log(), server.log()[-2000:]
     finally:
         server.stop()
     assert not server.leftovers()

@@ -110,7 +110,7 @@ def test_output_collector_keeps_one_output():
     """A request holds the newest untaken output only; an error replaces it and sticks."""
     import asyncio
 
-    from shardserve.engine.async_engine import _OutputCollector
+    from shardserve.engine.async_outputs import OutputCollector
     from shardserve.errors import EngineDeadError
     from shardserve.outputs import RequestOutput
 
@@ -119,7 +119,7 @@ def test_output_collector_keeps_one_output():
                              finished=n == 3)
 
     async def scenario() -> None:
-        collector = _OutputCollector()
+        collector = OutputCollector()
         for n in range(1, 4):  # three steps while the client reads nothing
             collector.put(output(n))
         assert (await collector.get()).finished  # only the newest is there

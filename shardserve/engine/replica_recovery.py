@@ -1,0 +1,258 @@
+"""Replica recovery: a front end whose engine replica died (its engine-core process, or any worker
+under it, on any backend) restarts it and moves the requests it held, so that clients see
+neither an error nor a gap (issue: "a server that heals").
+
+    replica i dies ──▶ take_down(i): no longer routed to; its requests handed back
+         │                 │
+         │                 └─▶ each request, as prompt + the tokens its client already has,
+         │                     to a live replica at once, or parked until one is up
+         └─▶ stop what is left of it (its workers) ─▶ backoff ─▶ start it again (same index,
+             same config) ─▶ routed to; parked requests go to it
+
+Why a moved request continues exactly: the front end holds what its client has seen (prompt,
+the tokens produced so far, the detokenizer and stop-string state), and the engine core takes
+the request as one preempted after those tokens (input_processor.EngineCoreRequest.
+output_token_ids): it recomputes their KV (its prefix cache makes that cheap where it has them),
+and everything that depends on the output position goes on from the same place: a seeded row
+draws from a generator seeded by (seed, position) (model/sampler.py), the budget is max_tokens
+minus the tokens produced, penalties see them, the grammar's matcher replays them. Tokens the
+dead replica sampled but never sent are sampled again, identically for greedy and seeded rows.
+Usage counts are the front end's, so they are those of an uninterrupted run.
+
+Bounds: at most `max_engine_restarts` restarts within `engine_restart_window_s` (each one after
+a backoff that doubles with the restarts already in the window); past it the engine fails as
+without recovery. A request whose replica died more than `max_request_migrations` times is
+failed (its id logged): a request that kills engines is not retried for ever. A request that
+finds no replica up waits at most `engine_restart_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from shardserve.config.recovery import RecoveryConfig
+from shardserve.engine.dp_router import NoReplicaUpError
+from shardserve.engine.input_processor import EngineCoreRequest
+from shardserve.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.5, 30.0
+
+
+class RestartBudget:
+    """Restarts within a sliding window, and the backoff before the next one."""
+
+    def __init__(self, max_restarts: int, window_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._clock = clock
+        self._times: collections.deque[float] = collections.deque()
+
+    def _recent(self) -> int:
+        now = self._clock()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times)
+
+    def take(self) -> bool:
+        """One more restart, if the bound allows it (then it counts)."""
+        if self._recent() >= self.max_restarts:
+            return False
+        self._times.append(self._clock())
+        return True
+
+    def backoff_s(self) -> float:
+        """0 for the first restart in the window, then 0.5 s doubling up to 30 s."""
+        recent = self._recent()
+        return 0.0 if recent <= 1 else min(_FIRST_BACKOFF_S * 2 ** (recent - 2), _MAX_BACKOFF_S)
+
+    @property
+    def used(self) -> int:
+        """Restarts within the window now."""
+        return self._recent()
+
+    def describe(self) -> str:
+        return f"{self.max_restarts} restarts within {self.window_s:g} s"
+
+
+def resumed(request: EngineCoreRequest, produced: list[int]) -> EngineCoreRequest:
+    """The request to send to another replica: the tokens its client has as output so far. Its
+    prompt logprobs came with its first output; they are not computed again."""
+    params = request.sampling_params
+    if produced and params.prompt_logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=None)
+    return dataclasses.replace(request, sampling_params=params,
+                               output_token_ids=tuple(produced))
+
+
+class RecoveryHost(Protocol):
+    """What recovery needs of its front end (async_engine.AsyncEngineClient)."""
+
+    replica_set: Any
+    metrics: Any
+
+    def produced(self, child_id: str) -> list[int] | None:
+        """The tokens a child request's client has (None: it has finished)."""
+
+    def parent_of(self, child_id: str) -> str | None: ...
+
+    def core_request(self, child_id: str) -> EngineCoreRequest | None: ...
+
+    def fail_request(self, parent_id: str, error: str) -> None: ...
+
+    async def send_add(self, replica: int, request: EngineCoreRequest) -> None: ...
+
+    def mark_dead(self, error: str) -> None: ...
+
+
+@dataclasses.dataclass
+class _Parked:
+    """A request moved while no replica was up."""
+
+    parent_id: str
+    children: list[EngineCoreRequest]
+    deadline: float
+
+
+class ReplicaRecovery:
+    def __init__(self, config: RecoveryConfig, host: RecoveryHost) -> None:
+        self.config = config
+        self.host = host
+        self.budget = RestartBudget(config.restarts, config.engine_restart_window_s)
+        self.migrations: collections.Counter[str] = collections.Counter()  # by parent id
+        self._parked: list[_Parked] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._up = asyncio.Event()  # set while some replica is up
+        self._up.set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.restarts > 0
+
+    @property
+    def router(self) -> Any:
+        return self.host.replica_set.router
+
+    def on_death(self, index: int, cause: str) -> bool:
+        """Replica `index` died of `cause`: restart it and move its requests. False when the
+        bound does not allow it (the caller fails the engine)."""
+        if index in self.router.down:
+            return True  # its other report of the same death (a "dead" message and the exit)
+        if not self.enabled or not self.budget.take():
+            return False
+        owned = self.host.replica_set.take_down(index, cause)
+        if not self.router.serving:
+            self._up.clear()
+        logger.error("engine core %d died: %s; restarting it (%d of at most %s) and moving its "
+                     "%d requests", index, cause, self.budget.used, self.budget.describe(),
+                     len(owned))
+        self.host.metrics.on_engine_restart(index)
+        self._spawn(self._move(owned, index, cause))
+        self._spawn(self._restart(index))
+        return True
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- moving requests ----
+    async def _move(self, child_ids: list[str], dead: int, cause: str) -> None:
+        by_parent: dict[str, list[str]] = {}
+        for cid in child_ids:
+            parent = self.host.parent_of(cid)
+            if parent is not None and self.host.produced(cid) is not None:
+                by_parent.setdefault(parent, []).append(cid)
+        for parent, children in by_parent.items():
+            self.migrations[parent] += 1
+            if self.migrations[parent] > self.config.max_request_migrations:
+                self._give_up(parent, dead, cause)
+                continue
+            moved = [resumed(req, self.host.produced(cid) or [])
+                     for cid in children if (req := self.host.core_request(cid)) is not None]
+            await self._send(_Parked(parent, moved, time.monotonic()
+                                     + self.config.engine_restart_timeout_s), dead)
+
+    def _give_up(self, parent: str, dead: int, cause: str) -> None:
+        error = (f"request {parent} was on an engine replica that died "
+                 f"{self.migrations[parent]} times (the last: engine core {dead}, {cause}); it "
+                 f"is not moved again (--max-request-migrations="
+                 f"{self.config.max_request_migrations})")
+        logger.error("%s", error)
+        self.host.metrics.on_requests_failed_after_migration(1)
+        self.host.fail_request(parent, error)
+
+    async def _send(self, parked: _Parked, dead: int | None) -> None:
+        """To the least loaded live replica, or parked until one is up."""
+        try:
+            replica = self.router.assign([r.request_id for r in parked.children])
+        except NoReplicaUpError:
+            self._parked.append(parked)
+            self._spawn(self._expire(parked))
+            return
+        for request in parked.children:
+            await self.host.send_add(replica, request)
+        self.host.metrics.on_requests_migrated(1)
+        tokens = max((len(r.output_token_ids) for r in parked.children), default=0)
+        logger.warning("request %s moved%s to engine core %d after %d tokens", parked.parent_id,
+                       "" if dead is None else f" from engine core {dead}", replica, tokens)
+
+    async def _expire(self, parked: _Parked) -> None:
+        await asyncio.sleep(max(0.0, parked.deadline - time.monotonic()))
+        if parked in self._parked:
+            self._parked.remove(parked)
+            self.host.fail_request(parked.parent_id, self._no_replica_error())
+
+    def _no_replica_error(self) -> str:
+        return (f"no engine replica came up within {self.config.engine_restart_timeout_s:g} s "
+                f"(--engine-restart-timeout); replicas {sorted(self.router.down)} restarting")
+
+    async def wait_for_replica(self) -> None:
+        """A new request while no replica is up: wait for one, bounded; EngineDeadError past
+        the bound."""
+        try:
+            await asyncio.wait_for(self._up.wait(), self.config.engine_restart_timeout_s)
+        except TimeoutError:
+            raise EngineDeadError(self._no_replica_error()) from None
+
+    # ---- restarting ----
+    async def _restart(self, index: int) -> None:
+        rs = self.host.replica_set
+        start = time.monotonic()
+        rs.close_input(index)
+        while True:
+            await asyncio.to_thread(rs.stop_dead, index)
+            await asyncio.sleep(self.budget.backoff_s())
+            try:
+                await asyncio.to_thread(rs.restart, index, self.config.engine_restart_timeout_s)
+                break
+            except Exception as e:  # noqa: BLE001 - logged; retried within the bound
+                logger.error("engine core %d failed to restart: %s", index, e)
+                if not self.budget.take():
+                    self.host.mark_dead(f"engine core {index} failed to restart ({e}) and the "
+                                        f"restart bound is reached ({self.budget.describe()})")
+                    return
+                self.host.metrics.on_engine_restart(index)
+        rs.add_restarted(index)
+        self._up.set()
+        logger.warning("engine core %d restarted in %.2f s", index, time.monotonic() - start)
+        parked, self._parked = self._parked, []
+        for p in parked:
+            await self._send(p, None)
+
+    async def stop(self) -> None:
+        """Cancel restarts in progress (the front end is shutting down)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
