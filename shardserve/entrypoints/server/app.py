@@ -125,10 +125,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if client.is_dead:
-            return JSONResponse(error_body(client.dead_error or "dead", "ServiceUnavailableError",
-                                           None, 503), status_code=503)
-        return Response(status_code=200)
+        return _health_response(client)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -141,6 +138,20 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
             return {"version": version("shardserve")}
         except PackageNotFoundError:
             return {"version": "unknown"}
+
+
+def _health_response(client: AsyncEngineClient) -> Response:
+    """200 {"status": "ok"}; while a replica restarts, 200 {"status": "degraded" (the others
+    serve) or "restarting" (none serves yet: requests wait), "replicas_down": [...]} with the
+    header X-Shardserve-Health: <status>; 503 with the error once the engine is dead."""
+    status = client.health
+    if client.is_dead or status == "dead":
+        return JSONResponse(error_body(client.dead_error or "dead", "ServiceUnavailableError",
+                                       None, 503), status_code=503)
+    if status == "ok":
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": status, "replicas_down": list(client.replicas_down)},
+                        headers={"X-Shardserve-Health": status})
 
 
 def _add_api_key_check(app: FastAPI, api_key: str) -> None:

@@ -79,6 +79,17 @@ class ServerMetrics:
             "shardserve:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0: the first draft of a step).",
             ["position"], registry=r)
+        # Recovery (a dead replica restarted, its requests moved to a serving one).
+        self.engine_restarts = Counter("shardserve:engine_restarts",
+                                       "Restarts of a replica that died.", ["engine"],
+                                       registry=r)
+        self.requests_migrated = Counter("shardserve:requests_migrated",
+                                         "Requests moved off a dead replica to another.",
+                                         registry=r)
+        self.requests_failed_after_migration = Counter(
+            "shardserve:requests_failed_after_migration",
+            "Requests of a dead replica ended with an error (out of migrations or replicas).",
+            registry=r)
         self._prefix_seen: dict[int, tuple[int, int]] = {}  # each engine's totals last applied
         self._spec_seen: dict[int, tuple[int, int, int, list[int]]] = {}  # the same, spec
         self._labelled: set[int] = set()  # replicas with gauges
@@ -97,6 +108,7 @@ class ServerMetrics:
         for i in indices:
             for gauge in self._engine_gauges:
                 gauge.labels(engine=str(i))
+            self.engine_restarts.labels(engine=str(i))  # 0 before the first: rate() sees it
         self._labelled = set(indices)
 
     def remove_replica(self, index: int) -> None:
@@ -165,6 +177,15 @@ class ServerMetrics:
         now = time.monotonic()
         for rid in engine_ids:
             self._finish(rid, reason, now)
+
+    def on_engine_restart(self, engine: int) -> None:
+        self.engine_restarts.labels(engine=str(engine)).inc()
+
+    def on_requests_migrated(self, count: int) -> None:
+        self.requests_migrated.inc(count)
+
+    def on_requests_failed_after_migration(self, count: int) -> None:
+        self.requests_failed_after_migration.inc(count)
 
     def _finish(self, rid: str, reason: str, now: float) -> None:
         timing = self._timings.pop(rid, None)
