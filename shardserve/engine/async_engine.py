@@ -229,6 +229,7 @@ class AsyncEngineClient:
         self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
         self._tokens_since_log[0] += len(ids) * len(children)
+        self.recovery.added(request_id)
         for core_request in core_requests:
             self._core_requests[core_request.request_id] = core_request
             await self._send(replica, EngineRequest("add", request=core_request))
@@ -246,6 +247,7 @@ class AsyncEngineClient:
     async def abort(self, request_id: str) -> None:
         child_ids = self.processor.child_ids(request_id)
         self.processor.abort(request_id)
+        self.recovery.ended(request_id)
         self.metrics.on_finished(child_ids, "abort")
         await self._abort_children(child_ids)
 
@@ -290,7 +292,8 @@ class AsyncEngineClient:
                 for index in await self.replicas.retire_drained():
                     self.metrics.remove_replica(index)
                 if msg.dead_error is not None:
-                    self._replica_died(msg.engine_index, msg.dead_error)
+                    self._replica_died(msg.engine_index, msg.dead_error,
+                                       f"the engine died: {self._name(msg.engine_index)}")
                     if self.dead_error is not None:
                         return
         except asyncio.CancelledError:
@@ -322,9 +325,12 @@ class AsyncEngineClient:
             self.metrics.on_finished(to_abort, "stop")
             asyncio.get_running_loop().create_task(self._abort_children(to_abort))
         for out in results:
+            if out.finished:
+                self.recovery.ended(out.request_id)
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put(out)
+        self.recovery.after_outputs()
 
     async def _log_stats_loop(self) -> None:
         """Every 10 s (SHARDSERVE_LOG_STATS_INTERVAL_S) while there is work: throughput, queue
@@ -352,13 +358,13 @@ class AsyncEngineClient:
         # describe_exit reaps it first (bounded), to name the status.
         self._replica_died(proc.engine_index, describe_exit(proc))
 
-    def _replica_died(self, index: int, cause: str) -> None:
+    def _replica_died(self, index: int, cause: str, prefix: str = "") -> None:
         if self._closing or self.dead_error is not None:
             return
         if not self.recovery.on_death(index, cause):
             bound = (f" (restart bound reached: {self.recovery.budget.describe()})"
                      if self.recovery.enabled else "")
-            self._mark_dead(f"the engine died: {self._name(index)}{cause}{bound}")
+            self._mark_dead(f"{prefix}{cause}{bound}")
 
     # ---- what replica recovery asks (replica_recovery.RecoveryHost) ----
     def produced(self, child_id: str) -> list[int] | None:
@@ -366,6 +372,9 @@ class AsyncEngineClient:
 
     def parent_of(self, child_id: str) -> str | None:
         return self.processor.parent_of(child_id)
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        return self.processor.child_ids(parent_id)
 
     def core_request(self, child_id: str) -> EngineCoreRequest | None:
         return self._core_requests.get(child_id)
@@ -376,6 +385,7 @@ class AsyncEngineClient:
             self._core_requests.pop(cid, None)
         self.router.finished(children)
         self.processor.abort(parent_id)
+        self.recovery.ended(parent_id)
         if (queue := self._queues.get(parent_id)) is not None:
             queue.put(EngineDeadError(error))
 

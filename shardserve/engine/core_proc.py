@@ -8,6 +8,10 @@ out after anything applied carries fresh figures (e.g. after aborts freed KV blo
 Liveness, both ways: the front end watches this process's sentinel; this process polls the read
 end of a "death pipe" whose write end only the front end holds, so EOF there means the front end
 is gone and we shut down (stopping our executor's workers) instead of lingering.
+
+Signals: a SIGTERM sent to every process of the server at once (`kill -TERM -PGID`, systemd)
+is left to the front end, which drains and then stops us; one that comes after the front end
+closed the death pipe (its staged stop), or after it died, ends us (process_setup.py).
 """
 
 from __future__ import annotations
@@ -65,8 +69,11 @@ def run_engine_core(args: EngineCoreArgs) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     suffix = f"_{args.engine_index}" if args.engine_index else ""
+    # A SIGTERM is left to the front end while it lives (a group's: it drains first), unless
+    # it closed our death pipe: then it is its staged stop (process_setup.py).
     setup_process(f"shardserve::engine_core{suffix}",
-                  "%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+                  "%(asctime)s engine-core %(levelname)s %(name)s: %(message)s",
+                  stop_requested=args.death.poll)
     if args.forked:
         run_on_fresh_thread(lambda: _serve(args), f"engine-core{suffix}-main")
     else:

@@ -16,9 +16,11 @@ from shardserve.config import EngineConfig
 from shardserve.engine.core import EngineCore
 from shardserve.engine.core_client import EngineCoreClient
 from shardserve.engine.inproc_client import InprocClient, make_client
-from shardserve.engine.input_processor import InputProcessor, PromptType
+from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
 from shardserve.engine.lora_requests import FrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
+from shardserve.engine.replica_recovery import EngineRestart, resumed
+from shardserve.errors import EngineDeadError
 from shardserve.lora.request import LoRARequest
 from shardserve.model.tokenizer import EngineTokenizer
 from shardserve.outputs import RequestOutput
@@ -41,6 +43,9 @@ class LLMEngine:
         self.processor = OutputProcessor(self._tokenizer, stream=stream)
         self._ids = itertools.count()
         self._warned_max_tokens = False
+        # Open requests as sent, to re-add them after a restart (max_engine_restarts).
+        self._sent: dict[str, list[EngineCoreRequest]] = {}
+        self.restart = EngineRestart(config.recovery_config)
         # The client may be replaced (scale()): reach it through self.client at each call.
         self.loras = FrontEndLoRAs(config, lambda method, *args: self.client.call(method, *args))
 
@@ -94,7 +99,10 @@ class LLMEngine:
         req = self.inputs.process(request_id, prompt, params, priority, lora_request)
         self._warn_if_cut(len(req.prompt_token_ids), params.max_tokens)
         self.processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.children)
-        self.client.add_requests(req.core_requests())
+        self._sent[request_id] = req.core_requests()
+        self.client.add_requests(self._sent[request_id])
+        if self.restart.enabled:
+            self.restart.ledger.sent(request_id, 0)
 
     # ---- LoRA adapters (see lora_requests.py) ----
     def load_loras(self, lora_requests: Iterable[LoRARequest | None]) -> None:
@@ -131,6 +139,8 @@ class LLMEngine:
         outputs = []
         for rid in request_ids:
             self.client.abort_requests(self.processor.child_ids(rid))
+            self._sent.pop(rid, None)
+            self.restart.ledger.forget(rid)
             out = self.processor.abort(rid)
             if out is not None:
                 outputs.append(out)
@@ -140,10 +150,64 @@ class LLMEngine:
         return self.client.has_unfinished_requests() or self.processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.processor.process(self.client.get_output())
+        try:
+            core_outputs = self.client.get_output()
+        except EngineDeadError as e:
+            return self._restart_after(e)
+        outputs, to_abort = self.processor.process(core_outputs)
         if to_abort:
             self.client.abort_requests(to_abort)
+        for out in outputs:
+            if out.finished:
+                self._sent.pop(out.request_id, None)
+                self.restart.ledger.forget(out.request_id)
+        if self.restart.ledger.probation is not None:
+            self._release_suspect()
         return outputs
+
+    def _restart_after(self, error: EngineDeadError) -> list[RequestOutput]:
+        """The engine died: with restarts allowed (replica_recovery.EngineRestart), start it
+        again and re-add every open request where it stopped; else raise the error. Returns
+        the outputs of requests given up (finish_reason 'abort'; migration_ledger.py)."""
+        if not self.restart.allows():
+            raise error
+        logger.error("the engine died (%s); restarting it and re-adding %d open requests",
+                     error, len(self._sent))
+        self.client.shutdown()
+        self.restart.backoff()
+        self.client = make_client(self.config)
+        give_up, move = self.restart.ledger.on_death(list(self._sent), self._tokens)
+        ended = []
+        for parent in give_up:
+            logger.error("request %s died with the engine %d times before it produced a token; "
+                         "it ends with finish_reason 'abort' (max_request_migrations=%d)", parent,
+                         self.config.recovery_config.max_request_migrations + 1,
+                         self.config.recovery_config.max_request_migrations)
+            del self._sent[parent]
+            if (out := self.processor.abort(parent)) is not None:
+                ended.append(out)
+        for parent in move:
+            self._resend(parent)
+        self._release_suspect()
+        return ended
+
+    def _tokens(self, parent: str) -> int:
+        return max((len(t) for c in self._sent.get(parent, [])
+                    if (t := self.processor.produced(c.request_id)) is not None), default=0)
+
+    def _resend(self, parent: str) -> None:
+        moved = [resumed(c, produced) for c in self._sent[parent]
+                 if (produced := self.processor.produced(c.request_id)) is not None]
+        self.restart.ledger.sent(parent, self._tokens(parent))
+        if moved:
+            self.client.add_requests(moved)
+
+    def _release_suspect(self) -> None:
+        """The next request held after a death, once the one on probation made progress."""
+        parent = self.restart.ledger.release(
+            lambda p: self._tokens(p) if p in self._sent else None)
+        if parent is not None and parent in self._sent:
+            self._resend(parent)
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from shardserve.config.recovery import RecoveryConfig
 from shardserve.engine.dp_router import NoReplicaUpError
 from shardserve.engine.input_processor import EngineCoreRequest
+from shardserve.engine.migration_ledger import MigrationLedger
 from shardserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class RecoveryHost(Protocol):
 
     def parent_of(self, child_id: str) -> str | None: ...
 
+    def child_ids(self, parent_id: str) -> list[str]: ...
+
     def core_request(self, child_id: str) -> EngineCoreRequest | None: ...
 
     def fail_request(self, parent_id: str, error: str) -> None: ...
@@ -128,7 +131,7 @@ class ReplicaRecovery:
         self.config = config
         self.host = host
         self.budget = RestartBudget(config.restarts, config.engine_restart_window_s)
-        self.migrations: collections.Counter[str] = collections.Counter()  # by parent id
+        self.ledger = MigrationLedger(config.max_request_migrations)  # by parent id
         self._parked: list[_Parked] = []
         self._tasks: set[asyncio.Task] = set()
         self._up = asyncio.Event()  # set while some replica is up
@@ -166,27 +169,58 @@ class ReplicaRecovery:
         task.add_done_callback(self._tasks.discard)
 
     # ---- moving requests ----
+    def tokens(self, parent: str) -> int | None:
+        """What a request's clients have of it (its longest child), None once it ended."""
+        counts = [len(t) for cid in self.host.child_ids(parent)
+                  if (t := self.host.produced(cid)) is not None]
+        return max(counts) if counts else None
+
+    def added(self, parent: str) -> None:
+        """A new request was sent (a death before its first token charges it)."""
+        if self.enabled:
+            self.ledger.sent(parent, 0)
+
+    def ended(self, parent: str) -> None:
+        self.ledger.forget(parent)
+
     async def _move(self, child_ids: list[str], dead: int, cause: str) -> None:
-        by_parent: dict[str, list[str]] = {}
-        for cid in child_ids:
-            parent = self.host.parent_of(cid)
-            if parent is not None and self.host.produced(cid) is not None:
-                by_parent.setdefault(parent, []).append(cid)
-        for parent, children in by_parent.items():
-            self.migrations[parent] += 1
-            if self.migrations[parent] > self.config.max_request_migrations:
-                self._give_up(parent, dead, cause)
-                continue
-            moved = [resumed(req, self.host.produced(cid) or [])
-                     for cid in children if (req := self.host.core_request(cid)) is not None]
-            await self._send(_Parked(parent, moved, time.monotonic()
-                                     + self.config.engine_restart_timeout_s), dead)
+        parents = list(dict.fromkeys(p for cid in child_ids if (p := self.host.parent_of(cid))
+                                     is not None and self.host.produced(cid) is not None))
+        give_up, move = self.ledger.on_death(parents, lambda p: self.tokens(p) or 0)
+        for parent in give_up:
+            self._give_up(parent, dead, cause)
+        for parent in move:
+            await self._send(self._resumed(parent), dead)
+        if self.ledger.suspects:
+            logger.warning("requests %s held: they had produced nothing when an engine died "
+                           "under them; each goes back alone", list(self.ledger.suspects))
+            await self.release_suspects()
+
+    def _resumed(self, parent: str) -> _Parked:
+        moved = [resumed(req, produced) for cid in self.host.child_ids(parent)
+                 if (produced := self.host.produced(cid)) is not None
+                 and (req := self.host.core_request(cid)) is not None]
+        self.ledger.sent(parent, self.tokens(parent) or 0)
+        return _Parked(parent, moved, time.monotonic() + self.config.engine_restart_timeout_s)
+
+    def after_outputs(self) -> None:
+        """New tokens arrived: the request on probation may have made progress."""
+        if self.ledger.probation is not None:
+            self._spawn(self.release_suspects())
+
+    async def release_suspects(self) -> None:
+        """The next held request, once the one on probation made progress (after outputs)."""
+        while (parent := self.ledger.release(self.tokens)) is not None:
+            if self.tokens(parent) is not None:
+                await self._send(self._resumed(parent), None)
+                return
+            self.ledger.forget(parent)  # it ended meanwhile (aborted by its client)
 
     def _give_up(self, parent: str, dead: int, cause: str) -> None:
-        error = (f"request {parent} was on an engine replica that died "
-                 f"{self.migrations[parent]} times (the last: engine core {dead}, {cause}); it "
-                 f"is not moved again (--max-request-migrations="
-                 f"{self.config.max_request_migrations})")
+        error = (f"request {parent} was on an engine replica that died with it "
+                 f"{self.config.max_request_migrations + 1} times before it produced a token "
+                 f"(the last: engine core {dead}, {cause}); it is not moved again "
+                 f"(--max-request-migrations={self.config.max_request_migrations})")
         logger.error("%s", error)
         self.host.metrics.on_requests_failed_after_migration(1)
         self.host.fail_request(parent, error)
@@ -248,6 +282,7 @@ class ReplicaRecovery:
         parked, self._parked = self._parked, []
         for p in parked:
             await self._send(p, None)
+        await self.release_suspects()
 
     async def stop(self) -> None:
         """Cancel restarts in progress (the front end is shutting down)."""
@@ -256,3 +291,29 @@ class ReplicaRecovery:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+class EngineRestart:
+    """The synchronous front end's recovery (LLMEngine, so `LLM`; off unless
+    max_engine_restarts > 0): offline there is no one to keep serving meanwhile, so the whole
+    client (every replica) is stopped and started again, and each open request is re-added as
+    prompt + the tokens it produced, as the asynchronous front end moves them (the same
+    MigrationLedger decides which to hold back or give up)."""
+
+    def __init__(self, config: RecoveryConfig) -> None:
+        self.config = config
+        self.budget = RestartBudget(config.restarts, config.engine_restart_window_s)
+        self.ledger = MigrationLedger(config.max_request_migrations)
+        self.restarts = 0  # since start
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.restarts > 0
+
+    def allows(self) -> bool:
+        """A restart now, if the bound allows it (then it counts)."""
+        return self.enabled and self.budget.take()
+
+    def backoff(self) -> None:
+        time.sleep(self.budget.backoff_s())
+        self.restarts += 1

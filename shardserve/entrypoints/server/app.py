@@ -141,8 +141,9 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def _health_response(client: AsyncEngineClient) -> Response:
-    """200 {"status": "ok"}; while a replica restarts, 200 {"status": "degraded" (the others
-    serve) or "restarting" (none serves yet: requests wait), "replicas_down": [...]} with the
+    """200 {"status": "ok"}; while a replica restarts, {"status": "degraded" (200: the others
+    serve) or "restarting" (503: none serves yet, so a load balancer sends elsewhere; requests
+    that come wait for it, up to --engine-restart-timeout), "replicas_down": [...]} with the
     header X-Shardserve-Health: <status>; 503 with the error once the engine is dead."""
     status = client.health
     if client.is_dead or status == "dead":
@@ -151,7 +152,8 @@ def _health_response(client: AsyncEngineClient) -> Response:
     if status == "ok":
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": status, "replicas_down": list(client.replicas_down)},
-                        headers={"X-Shardserve-Health": status})
+                        headers={"X-Shardserve-Health": status},
+                        status_code=503 if status == "restarting" else 200)
 
 
 def _add_api_key_check(app: FastAPI, api_key: str) -> None:

@@ -180,6 +180,9 @@ class ServerMetrics:
 
     def on_engine_restart(self, engine: int) -> None:
         self.engine_restarts.labels(engine=str(engine)).inc()
+        # The restarted replica counts its totals from 0 again.
+        self._prefix_seen.pop(engine, None)
+        self._spec_seen.pop(engine, None)
 
     def on_requests_migrated(self, count: int) -> None:
         self.requests_migrated.inc(count)

@@ -29,6 +29,9 @@ LONG = {"prompt": "The quick brown fox", "max_tokens": 480, "temperature": 0,
 # loaded 2-core machine; a fallback to execute_timeout_s (300 s) or a hang still fails it.
 DEAD_LIMIT_S = 5.0
 KEEP_ALIVE = "--keep-alive-on-engine-death"
+# These tests are about a death the server does not heal (restarts off, or their bound reached:
+# test_server_recovery.py has the healing).
+NO_RESTARTS = ["--max-engine-restarts", "0"]
 
 
 class StreamReader(threading.Thread):
@@ -99,7 +102,8 @@ def assert_dead_error(server: Server, reader: StreamReader, killed_at: float) ->
 
 
 def test_mp_worker_sigkill_ends_requests_with_error(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, [*TINY_ARGS, "--tensor-parallel-size", "2", KEEP_ALIVE],
+    server = Server(tiny_llama_dir, [*TINY_ARGS, *NO_RESTARTS, "--tensor-parallel-size", "2",
+                                     KEEP_ALIVE],
                     tmp_path / "server.log")
     try:
         workers = [w for w in server.engine_process().children()
@@ -129,7 +133,7 @@ def kill_engine_mid_request(server: Server) -> tuple[StreamReader, float]:
 
 
 def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, [*TINY_ARGS, KEEP_ALIVE], tmp_path / "server.log",
+    server = Server(tiny_llama_dir, [*TINY_ARGS, *NO_RESTARTS, KEEP_ALIVE], tmp_path / "server.log",
                     api_key=None)
     try:
         reader, killed_at = kill_engine_mid_request(server)
@@ -142,7 +146,8 @@ def test_engine_process_sigkill_is_noticed(tiny_llama_dir, tmp_path):
 
 
 def test_server_exits_with_status_1_when_the_engine_dies(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, TINY_ARGS, tmp_path / "server.log", api_key=None)
+    server = Server(tiny_llama_dir, [*TINY_ARGS, *NO_RESTARTS], tmp_path / "server.log",
+                    api_key=None)
     try:
         reader, killed_at = kill_engine_mid_request(server)
         reader.join(HANG_S)

@@ -123,10 +123,11 @@ def test_health_degraded_and_dead():
         assert resp.status_code == 200
         assert resp.json() == {"status": "degraded", "replicas_down": [1, 3]}
         assert resp.headers["X-Shardserve-Health"] == "degraded"
-    # Every replica restarting (none serves yet; requests wait, the server is not dead).
+    # Every replica restarting: none serves yet (503, a load balancer sends elsewhere), but the
+    # server is not dead (requests that come wait for the restart).
     client.health, client.replicas_down = "restarting", [0]
     resp = http.get("/health")
-    assert resp.status_code == 200
+    assert resp.status_code == 503
     assert resp.json() == {"status": "restarting", "replicas_down": [0]}
     assert resp.headers["X-Shardserve-Health"] == "restarting"
     client.is_dead, client.health, client.dead_error = True, "dead", "engine core died"

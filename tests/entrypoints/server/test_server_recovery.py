@@ -14,7 +14,7 @@ import threading
 import httpx
 import psutil
 from server_helpers import TINY_ARGS, Server
-from sync_helpers import HANG_S, frozen, wait_until
+from sync_helpers import HANG_S, wait_until
 
 BODY = {"prompt": "The quick brown fox", "max_tokens": 200, "temperature": 0,
         "ignore_eos": True}
