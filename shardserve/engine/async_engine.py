@@ -32,10 +32,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.engine.async_mp_client import AsyncMPClient
-from shardserve.engine.async_outputs import NoMetrics, OutputCollector, QueueFullError
+from shardserve.engine.async_outputs import NoMetrics, OutputCollector, QueueFullError, StatsLog
 from shardserve.engine.core_launcher import EngineCoreProcess, describe_exit
 from shardserve.engine.core_wire import EngineOutputs, EngineRequest, SchedulerStats, sum_stats
 from shardserve.engine.dp_router import NoReplicaUpError
@@ -43,7 +42,6 @@ from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from shardserve.engine.lora_requests import AsyncFrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.replica_recovery import ReplicaRecovery
-from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.errors import EngineDeadError
 from shardserve.lora.request import LoRARequest
 from shardserve.model.loader import load_tokenizer
@@ -75,8 +73,7 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs_task: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
-        self._tokens_since_log = [0, 0]  # prompt, generated
-        self._spec_logged = SchedulerStats()  # the totals of the last stats line
+        self._stats_log = StatsLog()  # the periodic throughput line
         # Spawns every replica's engine core and waits until each has loaded its model.
         self.replicas = AsyncMPClient(config, start_timeout_s)
         self.router = self.replicas.router
@@ -98,7 +95,8 @@ class AsyncEngineClient:
         await self.replicas.start(self._on_process_exit)
         self._outputs_task = asyncio.create_task(self._outputs_loop(), name="engine-outputs")
         if not self.config.observability_config.disable_log_stats:
-            self._stats_task = asyncio.create_task(self._log_stats_loop(), name="log-stats")
+            self._stats_task = asyncio.create_task(self._stats_log.run(lambda: self.stats),
+                                                  name="log-stats")
 
     async def shutdown(self) -> None:
         """Idempotent: stop the engine process and free everything we created."""
@@ -228,7 +226,7 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         self.processor.add_request(request_id, req.prompt, ids, children)
         self.metrics.on_request_added(list(children), len(ids))
-        self._tokens_since_log[0] += len(ids) * len(children)
+        self._stats_log.tokens[0] += len(ids) * len(children)
         self.recovery.added(request_id)
         for core_request in core_requests:
             self._core_requests[core_request.request_id] = core_request
@@ -319,7 +317,7 @@ class AsyncEngineClient:
             return
         now = time.monotonic()
         self.metrics.on_outputs(msg.outputs, now)
-        self._tokens_since_log[1] += sum(len(o.new_token_ids) for o in msg.outputs)
+        self._stats_log.tokens[1] += sum(len(o.new_token_ids) for o in msg.outputs)
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:  # stop strings, found during detokenization
             self.metrics.on_finished(to_abort, "stop")
@@ -331,25 +329,6 @@ class AsyncEngineClient:
             if queue is not None:
                 queue.put(out)
         self.recovery.after_outputs()
-
-    async def _log_stats_loop(self) -> None:
-        """Every 10 s (SHARDSERVE_LOG_STATS_INTERVAL_S) while there is work: throughput, queue
-        and KV use, as vLLM logs them; --disable-log-stats turns it off."""
-        last, interval = time.monotonic(), envs.log_stats_interval_s()
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            (prompt, generated), self._tokens_since_log = self._tokens_since_log, [0, 0]
-            stats, elapsed, last = self.stats, now - last, now
-            if prompt or generated or stats.num_running or stats.num_waiting:
-                logger.info(
-                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
-                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
-                    prompt / elapsed, generated / elapsed, stats.num_running,
-                    stats.num_waiting, 100 * stats.kv_cache_usage)
-            line, self._spec_logged = spec_decode_line(stats, self._spec_logged)
-            if line:
-                logger.info("%s", line)
 
     def _on_process_exit(self, proc: EngineCoreProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)

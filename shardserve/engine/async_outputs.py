@@ -1,14 +1,21 @@
 """What the asyncio front end (async_engine.py) hands out and reports: each request's newest
-output (`OutputCollector`), the queue-full refusal, and the metrics sink nobody keeps
-(`NoMetrics`; the server's ServerMetrics has the same methods)."""
+output (`OutputCollector`), the queue-full refusal, the metrics sink nobody keeps (`NoMetrics`;
+the server's ServerMetrics has the same methods) and the periodic stats line (`StatsLog`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 
+from shardserve import envs
 from shardserve.engine.core_wire import SchedulerStats
+from shardserve.engine.spec_decode_scheduling import spec_decode_line
 from shardserve.messages import EngineCoreOutput
 from shardserve.outputs import RequestOutput
+
+logger = logging.getLogger("shardserve.engine.async_engine")  # where the line always came from
 
 _RETRY_AFTER_S = 1
 
@@ -66,3 +73,30 @@ class OutputCollector:
         self._item = None
         assert item is not None
         return item
+
+
+class StatsLog:
+    """The periodic stats line: every 10 s (SHARDSERVE_LOG_STATS_INTERVAL_S) while there is
+    work, throughput, queue and KV use, as vLLM logs them (--disable-log-stats turns it off),
+    and the speculative-decoding line. The front end adds to `tokens` (prompt, generated)."""
+
+    def __init__(self) -> None:
+        self.tokens = [0, 0]
+        self._spec_logged = SchedulerStats()  # the totals of the last stats line
+
+    async def run(self, stats_now: Callable[[], SchedulerStats]) -> None:
+        last, interval = time.monotonic(), envs.log_stats_interval_s()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            (prompt, generated), self.tokens = self.tokens, [0, 0]
+            stats, elapsed, last = stats_now(), now - last, now
+            if prompt or generated or stats.num_running or stats.num_waiting:
+                logger.info(
+                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+                    "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                    prompt / elapsed, generated / elapsed, stats.num_running,
+                    stats.num_waiting, 100 * stats.kv_cache_usage)
+            line, self._spec_logged = spec_decode_line(stats, self._spec_logged)
+            if line:
+                logger.info("%s", line)
