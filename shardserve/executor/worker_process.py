@@ -3,7 +3,7 @@
     engine process                                  worker process (one per rank)
     ──────────────                                  ─────────────────────────────
     ready pipe (read end)   ◀── READY + reply-queue handle, or FAILED + error
-    death pipe (write end)  ──▶ never written; EOF when the engine dies → worker exits
+    death pipe (write end)  ──▶ never written; EOF when the engine dies or stops it → worker exits
     monitor thread          ◀── process sentinel becomes ready when the worker exits
 
 Nothing here knows about RPC; executor/multiproc.py composes these pieces.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -96,7 +97,13 @@ def start_workers(
         # Drop our copies of the child's ends, so EOF on either pipe means "the other side is gone".
         ready_w.close()
         death_r.close()
-        handles.append(WorkerHandle(rank, proc, ready_r, death_w, start_method=method))
+        handle = WorkerHandle(rank, proc, ready_r, death_w, start_method=method)
+        # multiprocessing's exit hook SIGTERMs the daemonic children of a process that ends
+        # without stopping its workers, then waits for them; a worker leaves that SIGTERM to
+        # its live parent (process_setup.py), so the hook's earlier finalizers close its death
+        # pipe first: EOF, and it exits.
+        multiprocessing.util.Finalize(handle, death_w.close, exitpriority=0)
+        handles.append(handle)
     return handles
 
 
@@ -187,10 +194,15 @@ class WorkerMonitor:
 
 
 def stop_workers(handles: list[WorkerHandle], grace_s: float) -> None:
-    """Staged stop of workers already asked to exit: wait, SIGTERM, wait, SIGKILL."""
+    """Staged stop of workers already asked to exit: wait; close their death pipes, SIGTERM,
+    wait, SIGKILL."""
     _wait_exit(handles, grace_s)
-    # A worker blocked inside a C call (a collective, a futex) runs its SIGTERM handler only
-    # when the call returns, so SIGKILL follows soon.
+    # A worker leaves a SIGTERM to us while we live (a process group's: process_setup.py), so
+    # the stop comes first by its death pipe: EOF, and it exits (unlinking its segments). A
+    # worker blocked inside a C call (a collective, a futex) holding the GIL runs neither its
+    # pipe watch nor a signal handler until the call returns, so SIGKILL follows soon.
+    for h in handles:
+        h.death_conn.close()
     for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
         alive = [h for h in handles if h.process.is_alive()]
         if not alive:

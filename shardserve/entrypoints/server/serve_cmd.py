@@ -9,6 +9,10 @@ Ctrl-C, ends every open request at once. When the engine dies, open requests get
 the server exits with status 1 (a supervisor restarts it) unless --keep-alive-on-engine-death.
 Exit status: 0 after SIGTERM, 130 after Ctrl-C (SIGINT), 1 after the engine died.
 
+SIGTERM sent to every process of the server at once (`kill -TERM -PGID`, systemd's default
+KillMode=control-group) drains the same way: the engine processes and mp workers leave it to the
+server (process_setup.py); Ray's actors do not (Ray's own SIGTERM handler ends them).
+
 `--port 0` lets the OS choose a free port (no other process can take it between choosing and
 binding); the log line "serving ... on http://HOST:PORT" and `--port-file` tell the port.
 """
