@@ -26,7 +26,7 @@ class RecoveryConfig:
     instead of moved again: a request that kills engines is not retried for ever."""
     engine_restart_timeout_s: float = 120.0
     """How long a request waits for a replica while none is up (all restarting) before it is
-    failed; also the bound on one replica's restart."""
+    failed (a replica's restart itself is bounded as its first start was)."""
 
     def __post_init__(self) -> None:
         m = self.max_engine_restarts

@@ -267,7 +267,7 @@ class ReplicaRecovery:
             await asyncio.to_thread(rs.stop_dead, index)
             await asyncio.sleep(self.budget.backoff_s())
             try:
-                await asyncio.to_thread(rs.restart, index, self.config.engine_restart_timeout_s)
+                await asyncio.to_thread(rs.restart, index, rs.start_timeout_s)
                 break
             except Exception as e:  # noqa: BLE001 - logged; retried within the bound
                 logger.error("engine core %d failed to restart: %s", index, e)

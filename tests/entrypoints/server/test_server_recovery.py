@@ -136,3 +136,22 @@ def test_restart_bound_reached_fails_as_without_recovery(tiny_llama_dir, tmp_pat
     finally:
         server.stop()
     assert not server.leftovers()
+
+
+def test_no_replica_up_within_the_restart_timeout_is_a_clear_error(tiny_llama_dir, tmp_path):
+    """DP=1, --engine-restart-timeout 0.2: the restart (a new process loading the model) takes
+    longer, so the moved request and one sent meanwhile end with an error naming the option;
+    once the replica is back, requests are served again."""
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--engine-restart-timeout", "0.2"],
+                    tmp_path / "server.log", api_key=None)
+    try:
+        streams = kill_cores_mid_stream(server, [BODY], victims=1)
+        late = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=HANG_S)
+        assert streams[0].errors and "--engine-restart-timeout" in streams[0].errors[0]["message"]
+        assert late.status_code == 503 and "--engine-restart-timeout" in late.text, late.text
+        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200,
+                   "the replica to be back")
+        assert complete(server, {**BODY, "max_tokens": 4})
+    finally:
+        server.stop()
+    assert not server.leftovers()
