@@ -227,6 +227,8 @@ class ReplicaRecovery:
 
     async def _send(self, parked: _Parked, dead: int | None) -> None:
         """To the least loaded live replica, or parked until one is up."""
+        if self.tokens(parked.parent_id) is None:
+            return  # it ended meanwhile (its client left while it was parked)
         try:
             replica = self.router.assign([r.request_id for r in parked.children])
         except NoReplicaUpError:
