@@ -11,7 +11,9 @@ With nnodes > 1 this is node 0: ranks are node-major, so its own ranks 0..L-1 ar
 broadcast's shared-memory readers and every other node's ranks read over the queue's TCP path
 and reply through TCP queues. RemoteNodes (multinode/remote_nodes.py) starts the other nodes'
 ranks through their `--headless` agents (multinode/headless.py) and reports a lost node as this
-executor's failure.
+executor's failure. A front end that restarts dead replicas starts this executor again: it
+waits for the nodes' agents (the ones that survived, or new ones) within the restart's bound
+(`_node_wait_s`), and its stop tells the agents whether a restart follows (`_stop_is_final`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ from shardserve.executor.worker_process import (
 from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
+
+# With replica restarts on, the wait for the other nodes ends this long before the front end's
+# bound on a restart: the engine core's start before it, and its error's way to the front end.
+_RESTART_MARGIN_S = 10.0
+
 
 class MultiprocExecutor(Executor):
 
@@ -103,7 +110,8 @@ class MultiprocExecutor(Executor):
             init_method = f"{STORE_CLIENT_SCHEME}{pc.multinode.master_addr}:{self._store.port}"
         broadcast = self.rpc.broadcast.export_handle()
         if self.remote is not None:
-            self.remote.start_nodes(self.config, broadcast, init_method, timeout_s)
+            self.remote.start_nodes(self.config, broadcast, init_method,
+                                    self._node_wait_s(timeout_s))
         # Appended to as each starts, so that a failure or signal part-way stops those too.
         start_workers(self.config, broadcast, init_method,
                       ranks=self.local_ranks, into=self.workers,
@@ -126,6 +134,27 @@ class MultiprocExecutor(Executor):
             # needs the store no more (NCCL makes communicators lazily, through it). Closed,
             # its unauthenticated port serves nobody.
             self._store = None
+
+    def _node_wait_s(self, timeout_s: float) -> float:
+        """How long to wait for the other nodes' agents: worker_start_timeout_s; with replica
+        restarts on (this may be a restart, after a node was lost), also short enough that a
+        node whose agent does not come back fails the restart with this executor's error,
+        which names the command that starts the agent, before the front end's bound on the
+        restart (engine_restart_timeout_s) ends it without a word. (The executor cannot tell a
+        restart from the first start, whose bound is longer: the cap holds for both.)"""
+        bound = self.config.recovery_config.engine_restart_timeout_s
+        if self.config.recovery_config.restarts == 0:
+            return timeout_s
+        return min(timeout_s, max(bound - _RESTART_MARGIN_S, bound / 2))
+
+    def _stop_is_final(self) -> bool:
+        """Is this replica stopped for good (the other nodes' agents exit)? With restarts off,
+        or a started, healthy engine told to shut down (the server's or LLM's shutdown). Not:
+        a failed executor (a worker or node died, a step failed) or a start that did not
+        finish, which the front end restarts (the agents wait for it)."""
+        if self.config.recovery_config.restarts == 0:
+            return True
+        return self.monitor is not None and not self.is_failed
 
     def _check_nodes(self) -> None:
         if self.remote is not None and self.remote.failure is not None:
@@ -196,4 +225,4 @@ class MultiprocExecutor(Executor):
     def _stop_processes(self, grace_s: float) -> None:
         stop_workers(self.workers, grace_s)
         if self.remote is not None:
-            self.remote.stop(grace_s)
+            self.remote.stop(grace_s, final=self._stop_is_final())

@@ -12,10 +12,14 @@ One authenticated ZMQ connection per headless node and replica, node 0 listening
                                   ◀── NodeReady({rank: reply-queue handle}) | NodeFailed(why)
     Heartbeat every HEARTBEAT_S               ◀─▶ Heartbeat every HEARTBEAT_S
       its connection closed (socket monitor,      node 0 silent MASTER_SILENT_S (2 s once the
-      matched by fd), or silent NODE_SILENT_S     connection closed) → stop workers, exit 1
-      once ready → node dead (EngineDeadError)
+      matched by fd), or silent NODE_SILENT_S     connection closed) → stop workers; hello
+      once ready → node dead (EngineDeadError,    again on a new connection if node 0
+      naming the node; a front end that restarts  restarts replicas (NodeStart's config),
+      replicas starts the engine core again,      else exit 1
+      which waits for a new agent's hello)
                                   ◀── NodeFailed(a worker died)
-    NodeStop(reason)                          ──▶ stop its workers, NodeBye, exit
+    NodeStop(reason, final)                   ──▶ stop its workers, NodeBye; exit if final,
+                                                  else hello again (a restart is coming)
 
 Frames: each message is one frame, the pickled dataclass. The ROUTER sees the DEALER's identity
 in front of it and puts it there to address a node; the DEALER sends and receives the payload
@@ -86,9 +90,13 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class NodeStop:
-    """Node 0 → headless: refused (at the hello) or the engine is shutting down."""
+    """Node 0 → headless: refused (at the hello) or the replica's engine core is stopping.
+    `final`: node 0 will not start this replica again (a refusal, the server's or LLM's
+    shutdown, or restarts off); not final: its engine failed and the front end restarts it,
+    so the agent waits for the restarted one (headless.py)."""
 
     reason: str = ""
+    final: bool = True
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class RemoteNodes:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._grace_s = 2.0  # the workers' time to stop, once `stop` says it
+        self._final = True  # the NodeStop that `stop` sends: no restart of this replica follows
         self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}"
         addr = pc.multinode.master_addr
         if addr.startswith("127.") or addr in ("localhost", "::1"):
@@ -220,6 +221,9 @@ class RemoteNodes:
         node = next((n for n in self.nodes.values() if n.identity == identity), None)
         if node is None:
             if isinstance(msg, NodeHello):  # a latecomer: every node it could be is here
+                known = self.nodes.get(msg.node_rank)
+                if known is not None and known.gone:
+                    return  # its lost node's new agent: the restarted engine core takes it
                 self._take_hello(identity, msg, fd)
             return
         node.last_seen = time.monotonic()
@@ -244,8 +248,10 @@ class RemoteNodes:
     def _say_goodbye(self) -> None:
         """Tell every live node to stop; wait (bounded) for their byes; close."""
         live = {n.identity: n for n in self.nodes.values() if not n.gone}
+        why = ("the engine is shutting down" if self._final else
+               f"replica {self.replica}'s engine failed; the front end restarts it")
         for identity in live:
-            send(self._sock, NodeStop("the engine is shutting down"), identity)
+            send(self._sock, NodeStop(why, final=self._final), identity)
         deadline = time.monotonic() + self._grace_s + 3.0
         while live and time.monotonic() < deadline:
             if self._sock.poll(POLL_MS):
@@ -258,9 +264,12 @@ class RemoteNodes:
         self._close_socket()
 
     # ---- shutdown ----
-    def stop(self, grace_s: float) -> None:
-        """Stop the headless nodes (their workers were asked to exit already) and the link."""
+    def stop(self, grace_s: float, final: bool = True) -> None:
+        """Stop the headless nodes (their workers were asked to exit already) and the link.
+        `final`: no restart of this replica follows (the nodes' agents exit); else they wait
+        for the restarted replica's engine core (messages.NodeStop)."""
         self._grace_s = grace_s
+        self._final = final
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 10.0)
