@@ -145,7 +145,8 @@ class EngineCoreLoop:
                 self.orphaned = True
                 return
             if self.core.executor.is_failed:
-                self._report_dead("the executor failed (a worker died)")
+                why = self.core.executor.failure or "a worker died"
+                self._report_dead(f"the executor failed: {why}")
                 return
             changed, stop = self._drain_input()
             if stop:

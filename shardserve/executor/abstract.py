@@ -248,6 +248,11 @@ class Executor(ABC):
         if self._shut_down:
             raise EngineDeadError("the executor has been shut down")
 
+    @property
+    def failure(self) -> str | None:
+        """Why the executor failed (the rank, its pid and how it died), once it has."""
+        return self._death
+
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Run `callback` once when the executor fails (at once if it already has)."""
         with self._fail_lock:
