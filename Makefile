@@ -27,7 +27,7 @@ lint: $(STAMP)
 # So each Ray test file runs in an interpreter of its own, and nothing else shares that state.
 RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
 	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
-	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
+	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py tests/executor/test_ray_recovery.py
 
 # The main part runs two files at a time (-n 2, a file's tests in one worker): much of a test's
 # time is a child process starting or a peer waiting, so two interleave on two cores. What a

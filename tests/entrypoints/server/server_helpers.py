@@ -102,6 +102,13 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
+    def observe(self) -> list[psutil.Process]:
+        """The descendants now, added to `family` (a test that kills and restarts processes
+        calls it often, so that what short-lived ones leave behind is counted as ours)."""
+        now = self.descendants()
+        self.family |= {p.pid for p in now}
+        return now
+
     def engine_process(self) -> psutil.Process:
         for p in self.descendants():
             if "engine_core" in " ".join(p.cmdline()):
