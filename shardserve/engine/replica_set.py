@@ -25,7 +25,6 @@ be queued: `is_current` tells it apart by the sender's pid, and the client drops
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -37,7 +36,6 @@ import zmq
 from shardserve.config import EngineConfig
 from shardserve.engine.core_launcher import EngineCoreGroup, EngineCoreProcess
 from shardserve.engine.core_wire import (
-    SHUTDOWN,
     EngineOutputs,
     EngineRequest,
     UtilityCall,
@@ -210,12 +208,11 @@ class ReplicaSet:
         return self.router.take_down(index)
 
     def close_input(self, index: int) -> None:
-        """In the client's thread (sockets are not thread-safe): a dead replica's input socket,
-        after a last "shutdown" (an engine core whose worker died is still up, ending)."""
+        """In the client's thread (sockets are not thread-safe): a dead replica's input socket.
+        (An engine core that reported its executor's death ends by itself; `stop_dead` gives
+        it the time before it closes the death pipe.)"""
         sock = self.ins.pop(index, None)
         if sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(encode(SHUTDOWN), zmq.NOBLOCK)
             sock.close(linger=0)
 
     def stop_dead(self, index: int) -> None:

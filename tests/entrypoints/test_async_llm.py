@@ -103,3 +103,33 @@ def test_async_llm_rejects_bad_input(tiny_llama_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_async_llm_with_restarts_heals_a_killed_engine_core(tiny_llama_dir):
+    """AsyncLLM(max_engine_restarts=1) (off by default): the engine core SIGKILLed mid-stream
+    is restarted and the stream ends as an uninterrupted one would, token for token."""
+    import os
+    import signal
+
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=120, ignore_eos=True)
+    offline = shardserve.LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    want = offline.generate(["hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
+    offline.shutdown()
+    engine = shardserve.AsyncLLM.from_engine_args(shardserve.AsyncEngineArgs(
+        model=str(tiny_llama_dir), dtype="float32", max_model_len=256, max_engine_restarts=1))
+    first = engine._client.replicas.group.procs[0].proc.pid
+
+    async def main() -> list[int]:
+        last = None
+        async for out in engine.generate("hello there", params, "a"):
+            if last is None:
+                os.kill(first, signal.SIGKILL)  # after its first output: mid-stream
+            last = out
+        assert last is not None and last.finished
+        return last.outputs[0].token_ids
+
+    try:
+        assert asyncio.run(main()) == want
+        assert engine._client.replicas.group.procs[0].proc.pid != first
+    finally:
+        engine.shutdown()
