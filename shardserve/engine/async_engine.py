@@ -32,6 +32,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import zmq
+
 from shardserve.config import EngineConfig
 from shardserve.engine.async_mp_client import AsyncMPClient
 from shardserve.engine.async_outputs import NoMetrics, OutputCollector, QueueFullError, StatsLog
@@ -228,8 +230,10 @@ class AsyncEngineClient:
         self.metrics.on_request_added(list(children), len(ids))
         self._stats_log.tokens[0] += len(ids) * len(children)
         self.recovery.added(request_id)
+        # Every child registered before the first send: a replica that dies meanwhile hands
+        # them all back (replica_recovery.py), sent or not.
+        self._core_requests.update((r.request_id, r) for r in core_requests)
         for core_request in core_requests:
-            self._core_requests[core_request.request_id] = core_request
             await self._send(replica, EngineRequest("add", request=core_request))
         return queue
 
@@ -261,7 +265,14 @@ class AsyncEngineClient:
             await self._send(replica, EngineRequest("abort", request_ids=ids))
 
     async def _send(self, replica: int, msg: EngineRequest) -> None:
-        await self.replicas.send(replica, msg)
+        """A send to a replica that dies meanwhile is dropped (its socket closed, the send
+        cancelled): what it was sent is handed back by its take_down and moved on."""
+        try:
+            await self.replicas.send(replica, msg)
+        except (asyncio.CancelledError, zmq.ZMQError, KeyError):
+            task = asyncio.current_task()
+            if replica not in self.router.down or (task is not None and task.cancelling()):
+                raise
 
     # ---- replicas: re-scaling and utility calls ----
     async def scale(self, data_parallel_size: int) -> list[int]:
@@ -346,15 +357,6 @@ class AsyncEngineClient:
             self._mark_dead(f"{prefix}{cause}{bound}")
 
     # ---- what replica recovery asks (replica_recovery.RecoveryHost) ----
-    def produced(self, child_id: str) -> list[int] | None:
-        return self.processor.produced(child_id)
-
-    def parent_of(self, child_id: str) -> str | None:
-        return self.processor.parent_of(child_id)
-
-    def child_ids(self, parent_id: str) -> list[str]:
-        return self.processor.child_ids(parent_id)
-
     def core_request(self, child_id: str) -> EngineCoreRequest | None:
         return self._core_requests.get(child_id)
 
@@ -364,6 +366,7 @@ class AsyncEngineClient:
             self._core_requests.pop(cid, None)
         self.router.finished(children)
         self.processor.abort(parent_id)
+        self.metrics.on_finished(children, "abort")
         self.recovery.ended(parent_id)
         if (queue := self._queues.get(parent_id)) is not None:
             queue.put(EngineDeadError(error))
@@ -385,5 +388,6 @@ class AsyncEngineClient:
             self.on_dead(error)
 
     def _fail_all(self, error: str) -> None:
+        self.recovery.wake_waiters()  # requests waiting for a replica to come up
         for queue in self._queues.values():
             queue.put(EngineDeadError(error))

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +36,7 @@ from shardserve.engine.core_proc import EngineCoreArgs, run_engine_core
 from shardserve.engine.core_wire import EngineAddresses
 from shardserve.executor.multinode.secret import with_cluster_secret
 from shardserve.executor.start_method import check_spawn_can_import_main, choose_start_method
+from shardserve.ipc.segments import unlink_segments_of
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +79,15 @@ class EngineCoreProcess:
     def describe(self) -> str:
         return f"engine core {self.engine_index} (pid {self.proc.pid})"
 
-    def wait_ready(self, deadline: float) -> None:
+    def wait_ready(self, deadline: float, stopped: Callable[[], bool] = lambda: False) -> None:
         """Until the process reports its model loaded; raises its start-up error, or
-        TimeoutError past `deadline` (time.monotonic())."""
+        TimeoutError past `deadline` (time.monotonic()), or RuntimeError once `stopped()` (the
+        front end stops while a replica restarts: it need not wait for the model to load)."""
         try:
             while not self._ready_r.poll(0.1):
+                if stopped():
+                    raise RuntimeError(f"{self.describe()}: the engine was stopped during its "
+                                       f"start")
                 if not self.proc.is_alive():
                     raise RuntimeError(f"{self.describe()} exited during start-up "
                                        f"(exit code {self.proc.exitcode})")
@@ -117,6 +123,9 @@ class EngineCoreProcess:
             logger.warning("%s did not exit in time; stopping it", self.describe())
             stop()
             self.proc.join(1.0)
+        if not self.proc.is_alive():  # killed (SIGKILL, OOM): what it had in /dev/shm is ours
+            for name in unlink_segments_of(self.proc.pid):
+                logger.info("removed %s, left by %s", name, self.describe())
         logger.info("%s stopped in %.2f s", self.describe(), time.monotonic() - start)
 
 
@@ -188,7 +197,7 @@ class EngineCoreGroup:
                     EngineAddresses(self.input_addr(i), self.output_addr), i, method, inherited))
             deadline = time.monotonic() + timeout_s
             for proc in new:
-                proc.wait_ready(deadline)
+                proc.wait_ready(deadline, lambda: self._closed)
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the engine was stopped while replicas started")

@@ -159,7 +159,7 @@ class ReplicaRouter:
     def drained(self) -> list[int]:
         """Draining replicas that own no request any more: ready to stop."""
         busy = set(self.owner.values())
-        return sorted(i for i in self.draining if i not in busy)
+        return sorted(i for i in self.draining if i not in busy and i not in self.down)
 
     @property
     def num_open(self) -> int:

@@ -161,7 +161,7 @@ class LLMEngine:
             if out.finished:
                 self._sent.pop(out.request_id, None)
                 self.restart.ledger.forget(out.request_id)
-        if self.restart.ledger.probation is not None:
+        if self.restart.ledger.probation is not None or self.restart.ledger.suspects:
             self._release_suspect()
         return outputs
 
@@ -192,8 +192,7 @@ class LLMEngine:
         return ended
 
     def _tokens(self, parent: str) -> int:
-        return max((len(t) for c in self._sent.get(parent, [])
-                    if (t := self.processor.produced(c.request_id)) is not None), default=0)
+        return self.processor.num_tokens(parent) or 0
 
     def _resend(self, parent: str) -> None:
         moved = [resumed(c, produced) for c in self._sent[parent]

@@ -73,7 +73,7 @@ class MigrationLedger:
 
     def release(self, tokens: Callable[[str], int | None]) -> str | None:
         """The next suspect to send, once no request is on probation (the one that was made
-        progress or ended); it is on probation from now."""
+        progress, ended or was forgotten); it is on probation from now."""
         if self.probation is not None:
             now = tokens(self.probation)
             if now is not None and now <= self._sent_at.get(self.probation, -1):

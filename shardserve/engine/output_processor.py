@@ -122,6 +122,12 @@ class OutputProcessor:
         child = self._requests[parent].children[child_id]
         return None if child.finish_reason is not None else list(child.token_ids)
 
+    def num_tokens(self, request_id: str) -> int | None:
+        """Tokens an open request's children have produced, all together (None: it ended).
+        Grows with every token, whichever child ends first (replica recovery's progress)."""
+        state = self._requests.get(request_id)
+        return None if state is None else sum(len(c.token_ids) for c in state.children.values())
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

@@ -100,13 +100,7 @@ class RecoveryHost(Protocol):
 
     replica_set: Any
     metrics: Any
-
-    def produced(self, child_id: str) -> list[int] | None:
-        """The tokens a child request's client has (None: it has finished)."""
-
-    def parent_of(self, child_id: str) -> str | None: ...
-
-    def child_ids(self, parent_id: str) -> list[str]: ...
+    processor: Any  # its OutputProcessor: what each request's clients have (produced, ...)
 
     def core_request(self, child_id: str) -> EngineCoreRequest | None: ...
 
@@ -136,6 +130,7 @@ class ReplicaRecovery:
         self._tasks: set[asyncio.Task] = set()
         self._up = asyncio.Event()  # set while some replica is up
         self._up.set()
+        self._gone = asyncio.Event()  # the engine died for good, or is shutting down
 
     @property
     def enabled(self) -> bool:
@@ -148,8 +143,11 @@ class ReplicaRecovery:
     def on_death(self, index: int, cause: str) -> bool:
         """Replica `index` died of `cause`: restart it and move its requests. False when the
         bound does not allow it (the caller fails the engine)."""
-        if index in self.router.down:
+        if index in self.router.down or index not in self.router.stats:
             return True  # its other report of the same death (a "dead" message and the exit)
+        if index in self.router.draining and self.enabled:
+            self._retire_dead(index, cause)  # scaled away already: moved on, not restarted
+            return True
         if not self.enabled or not self.budget.take():
             return False
         owned = self.host.replica_set.take_down(index, cause)
@@ -163,17 +161,36 @@ class ReplicaRecovery:
         self._spawn(self._restart(index))
         return True
 
+    def _retire_dead(self, index: int, cause: str) -> None:
+        owned = self.host.replica_set.take_down(index, cause)
+        logger.error("engine core %d died while it drained (scale-down): %s; moving its %d "
+                     "requests", index, cause, len(owned))
+        self._spawn(self._move(owned, index, cause))
+        self._spawn(self._forget(index))
+
+    async def _forget(self, index: int) -> None:
+        rs = self.host.replica_set
+        rs.close_input(index)
+        await asyncio.to_thread(rs.stop_dead, index)
+        rs.forget_dead(index)
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        """A recovery task that failed leaves the engine in a state nobody repairs: fail it
+        (clearly) rather than stay degraded for ever."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            logger.error("replica recovery failed", exc_info=e)
+            self.host.mark_dead(f"replica recovery failed: {type(e).__name__}: {e}")
 
     # ---- moving requests ----
     def tokens(self, parent: str) -> int | None:
-        """What a request's clients have of it (its longest child), None once it ended."""
-        counts = [len(t) for cid in self.host.child_ids(parent)
-                  if (t := self.host.produced(cid)) is not None]
-        return max(counts) if counts else None
+        """Its progress: the tokens its clients have (all children), None once it ended."""
+        return self.host.processor.num_tokens(parent)
 
     def added(self, parent: str) -> None:
         """A new request was sent (a death before its first token charges it)."""
@@ -181,11 +198,15 @@ class ReplicaRecovery:
             self.ledger.sent(parent, 0)
 
     def ended(self, parent: str) -> None:
+        was_on_probation = self.ledger.probation == parent
         self.ledger.forget(parent)
+        if was_on_probation and self.ledger.suspects:
+            self._spawn(self.release_suspects())
 
     async def _move(self, child_ids: list[str], dead: int, cause: str) -> None:
-        parents = list(dict.fromkeys(p for cid in child_ids if (p := self.host.parent_of(cid))
-                                     is not None and self.host.produced(cid) is not None))
+        processor = self.host.processor
+        parents = list(dict.fromkeys(p for cid in child_ids if (p := processor.parent_of(cid))
+                                     is not None and processor.produced(cid) is not None))
         give_up, move = self.ledger.on_death(parents, lambda p: self.tokens(p) or 0)
         for parent in give_up:
             self._give_up(parent, dead, cause)
@@ -197,15 +218,16 @@ class ReplicaRecovery:
             await self.release_suspects()
 
     def _resumed(self, parent: str) -> _Parked:
-        moved = [resumed(req, produced) for cid in self.host.child_ids(parent)
-                 if (produced := self.host.produced(cid)) is not None
+        moved = [resumed(req, produced) for cid in self.host.processor.child_ids(parent)
+                 if (produced := self.host.processor.produced(cid)) is not None
                  and (req := self.host.core_request(cid)) is not None]
         self.ledger.sent(parent, self.tokens(parent) or 0)
         return _Parked(parent, moved, time.monotonic() + self.config.engine_restart_timeout_s)
 
     def after_outputs(self) -> None:
-        """New tokens arrived: the request on probation may have made progress."""
-        if self.ledger.probation is not None:
+        """New tokens arrived, or a request ended: the request on probation may have made
+        progress (or be gone), and the next suspect may go."""
+        if self.ledger.probation is not None or self.ledger.suspects:
             self._spawn(self.release_suspects())
 
     async def release_suspects(self) -> None:
@@ -255,10 +277,20 @@ class ReplicaRecovery:
     async def wait_for_replica(self) -> None:
         """A new request while no replica is up: wait for one, bounded; EngineDeadError past
         the bound."""
+        up, gone = asyncio.ensure_future(self._up.wait()), asyncio.ensure_future(self._gone.wait())
         try:
-            await asyncio.wait_for(self._up.wait(), self.config.engine_restart_timeout_s)
-        except TimeoutError:
-            raise EngineDeadError(self._no_replica_error()) from None
+            await asyncio.wait([up, gone], timeout=self.config.engine_restart_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            up.cancel()
+            gone.cancel()
+        if not self._up.is_set() and not self._gone.is_set():
+            raise EngineDeadError(self._no_replica_error())
+
+    def wake_waiters(self) -> None:
+        """The engine died or shuts down: requests waiting for a replica stop waiting (and
+        find it dead)."""
+        self._gone.set()
 
     # ---- restarting ----
     async def _restart(self, index: int) -> None:
@@ -288,6 +320,7 @@ class ReplicaRecovery:
 
     async def stop(self) -> None:
         """Cancel restarts in progress (the front end is shutting down)."""
+        self.wake_waiters()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

@@ -224,6 +224,13 @@ class ReplicaSet:
         """Blocking (model loading): start replica `index` again as it was."""
         self.group.start(self._configs[index], [index], timeout_s)
 
+    def forget_dead(self, index: int) -> None:
+        """A draining replica that died (after stop_dead): gone, as a retired one is."""
+        self.router.remove_replica(index)
+        self.router.down.discard(index)
+        self._configs.pop(index, None)
+        logger.info("engine core %d gone (it died while it drained)", index)
+
     def add_restarted(self, index: int) -> None:
         self._bind([index])
         self.router.bring_up(index)
