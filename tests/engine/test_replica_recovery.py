@@ -176,3 +176,15 @@ def test_ledger_isolates_a_poison_request_and_charges_no_request_that_progressed
     ledger.sent("a", 1)
     tokens.update(a=3, b=9)
     assert ledger.on_death(["a", "b"], tokens.get) == ([], ["a", "b"])
+
+
+def test_ledger_releases_the_next_suspect_when_the_one_on_probation_ends():
+    from shardserve.engine.migration_ledger import MigrationLedger
+
+    ledger, tokens = MigrationLedger(2), {"a": 0, "b": 0}
+    for rid in tokens:
+        ledger.sent(rid, 0)
+    assert ledger.on_death(["a", "b"], tokens.get) == ([], [])  # both held
+    assert ledger.release(tokens.get) == "a"
+    ledger.forget("a")  # it ended at its first output (max_tokens=1), or its client left
+    assert ledger.release(tokens.get) == "b"  # not held for ever
