@@ -155,3 +155,31 @@ def test_no_replica_up_within_the_restart_timeout_is_a_clear_error(tiny_llama_di
     finally:
         server.stop()
     assert not server.leftovers()
+
+
+def test_a_draining_replica_that_dies_is_not_restarted(tiny_llama_dir, tmp_path):
+    """DP=2 scaled to 1 while replica 1 still runs a request; replica 1 then dies: its request
+    moves to replica 0 and finishes as it would have, replica 1 is gone (no restart)."""
+    server = Server(tiny_llama_dir, [*TINY_ARGS, "--data-parallel-size", "2"],
+                    tmp_path / "server.log")
+    try:
+        bodies = [BODY, {**BODY, "prompt": "Once upon a time"}]
+        references = [complete(server, b) for b in bodies]
+        cores = engine_cores(server)
+        streams = [Stream(server, b) for b in bodies]
+        wait_until(lambda: all(s.events >= 2 or not s.is_alive() for s in streams),
+                   "every stream to begin")
+        resp = httpx.post(f"{server.url}/scale", json={"data_parallel_size": 1},
+                          headers=server.headers, timeout=HANG_S)
+        assert resp.json() == {"data_parallel_size": 1, "replicas": [0]}, resp.text
+        assert all(s.is_alive() for s in streams)  # replica 1 drains its request
+        cores[1].kill()
+        for s in streams:
+            s.join(HANG_S)
+        assert_continued(streams, references)
+        assert "died while it drained" in server.log()
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        assert server.metrics().get('shardserve:engine_restarts_total{engine="1"}', 0) == 0
+    finally:
+        server.stop()
+    assert not server.leftovers()
