@@ -39,6 +39,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...
 
+    @property
+    @abstractmethod
+    def num_replicas(self) -> int:
+        """Engine cores it runs (data-parallel replicas, a draining one included)."""
+
     @abstractmethod
     def stats(self) -> list[SchedulerStats]:
         """Each engine core's latest figures, by replica index."""

@@ -27,6 +27,8 @@ def make_client(config: EngineConfig) -> EngineCoreClient:
 
 
 class InprocClient(EngineCoreClient):
+    num_replicas = 1
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config)

@@ -15,6 +15,7 @@ from typing import Any
 from shardserve.config import EngineConfig
 from shardserve.engine.core import EngineCore
 from shardserve.engine.core_client import EngineCoreClient
+from shardserve.engine.dp_router import resized
 from shardserve.engine.inproc_client import InprocClient, make_client
 from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
 from shardserve.engine.lora_requests import FrontEndLoRAs
@@ -173,9 +174,10 @@ class LLMEngine:
             raise error
         logger.error("the engine died (%s); restarting it and re-adding %d open requests",
                      error, len(self._sent))
+        replicas = self.client.num_replicas  # as many as it ran (LLM.scale may have changed it)
         self.client.shutdown()
         self.restart.backoff()
-        self.client = make_client(self.config)
+        self.client = make_client(resized(self.config, replicas))
         give_up, move = self.restart.ledger.on_death(list(self._sent), self._tokens)
         ended = []
         for parent in give_up:
