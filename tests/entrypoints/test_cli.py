@@ -17,6 +17,7 @@ import pytest
 from sync_helpers import PipeText, frozen
 
 from shardserve.config.engine import OWNERS, option_names
+from shardserve.engine.arg_utils import _ENGINE_RENAMES as cli_renames
 from shardserve.entrypoints import cli, cli_generate
 
 FAST = ["--dtype", "float32", "--max-model-len", "256", "--max-tokens", "8", "--temperature", "0"]
@@ -194,7 +195,7 @@ def test_every_engine_init_field_is_a_flag():
     assert {cls.__name__ for cls in OWNERS.values()} <= {c.__name__ for c in cli.ENGINE_CONFIGS}
     for cls in OWNERS.values():
         for name in option_names(cls) - {"data_parallel_rank"}:
-            flag = "--engine-seed" if name == "seed" else "--" + name.replace("_", "-")
+            flag = "--" + cli_renames.get(name, name.replace("_", "-"))
             assert flag in flags, (cls.__name__, name)
 
 
