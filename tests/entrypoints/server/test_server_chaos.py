@@ -23,13 +23,15 @@ default model has 9 heads and 3 KV heads (TP in 1, 3, 9), so TP=2 runs on the ti
 heads, 4 KV heads; the oracle prompts in its tokenizer).
 
 The chaos lasts CHAOS_S = 60 s in the acceptance text and SHARDSERVE_TEST_CHAOS_S seconds here
-(20 by default: the suite's time); the acceptance run is
+(20 by default, for a quick run); the acceptance run is `make test-chaos`, i.e.
 
-    SHARDSERVE_TEST_CHAOS_S=60 pytest tests/entrypoints/server/test_server_chaos.py \
-        tests/executor/test_ray_recovery.py -s
+    SHARDSERVE_TEST_CHAOS_S=60 pytest tests/entrypoints/server/test_server_chaos.py -s
+    SHARDSERVE_TEST_CHAOS_S=60 pytest tests/executor/test_ray_recovery.py -s
 
 which adds DP=2 greedy-only and seeded-only, the default model at TP=3 on mp and at TP=1 on
-ray_v2 (the suite runs DP=2 mixed, DP=1, tiny TP=2 on mp and on ray_v2).
+ray_v2 to the short run's DP=2 mixed, DP=1, tiny TP=2 on mp and on ray_v2. These files are
+not part of `make test` (minutes of default-model serving; the suite stays under 15 minutes):
+recovery is tested there on the tiny model (test_server_recovery.py and others).
 
 The server's bounds are opened for the chaos: --max-engine-restarts 100 (the default, 5 in
 10 min, is the production answer to a crash loop; here ~CHAOS_S / KILL_EVERY_S deaths are the
