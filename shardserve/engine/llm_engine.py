@@ -20,7 +20,7 @@ from shardserve.engine.inproc_client import InprocClient, make_client
 from shardserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
 from shardserve.engine.lora_requests import FrontEndLoRAs
 from shardserve.engine.output_processor import OutputProcessor
-from shardserve.engine.replica_recovery import EngineRestart, resumed
+from shardserve.engine.replica_recovery import EngineRestart, resumed_open
 from shardserve.errors import EngineDeadError
 from shardserve.lora.request import LoRARequest
 from shardserve.model.tokenizer import EngineTokenizer
@@ -197,8 +197,7 @@ class LLMEngine:
         return self.processor.num_tokens(parent) or 0
 
     def _resend(self, parent: str) -> None:
-        moved = [resumed(c, produced) for c in self._sent[parent]
-                 if (produced := self.processor.produced(c.request_id)) is not None]
+        moved = resumed_open(self._sent[parent], self.processor)
         self.restart.ledger.sent(parent, self._tokens(parent))
         if moved:
             self.client.add_requests(moved)

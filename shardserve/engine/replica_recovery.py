@@ -95,6 +95,13 @@ def resumed(request: EngineCoreRequest, produced: list[int]) -> EngineCoreReques
                                output_token_ids=tuple(produced))
 
 
+def resumed_open(requests: list[EngineCoreRequest], processor: Any) -> list[EngineCoreRequest]:
+    """Those of a request's children still open in the front end's OutputProcessor, each
+    resumed from the tokens its client has (both front ends move requests with this)."""
+    return [resumed(r, produced) for r in requests
+            if (produced := processor.produced(r.request_id)) is not None]
+
+
 class RecoveryHost(Protocol):
     """What recovery needs of its front end (async_engine.AsyncEngineClient)."""
 
@@ -218,9 +225,9 @@ class ReplicaRecovery:
             await self.release_suspects()
 
     def _resumed(self, parent: str) -> _Parked:
-        moved = [resumed(req, produced) for cid in self.host.processor.child_ids(parent)
-                 if (produced := self.host.processor.produced(cid)) is not None
-                 and (req := self.host.core_request(cid)) is not None]
+        sent = [r for cid in self.host.processor.child_ids(parent)
+                if (r := self.host.core_request(cid)) is not None]
+        moved = resumed_open(sent, self.host.processor)
         self.ledger.sent(parent, self.tokens(parent) or 0)
         return _Parked(parent, moved, time.monotonic() + self.config.engine_restart_timeout_s)
 

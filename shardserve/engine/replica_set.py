@@ -194,7 +194,7 @@ class ReplicaSet:
         """Sent by the replica's live process (not a dead predecessor, not a replica down)."""
         proc = self.group.procs.get(msg.engine_index)
         return (proc is not None and msg.engine_index not in self.router.down
-                and msg.pid in (0, proc.proc.pid))
+                and msg.pid == proc.proc.pid)
 
     def take_down(self, index: int, cause: str) -> list[str]:
         """Replica `index` died: no longer watched or routed to; calls waiting on it are
