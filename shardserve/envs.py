@@ -104,11 +104,11 @@ def native_kernels() -> bool:
 
 
 def quant_dense_batches() -> bool:
-    """SHARDSERVE_QUANT_DENSE_BATCHES: with quantized weights, also keep a prepacked dense copy
-    (the model's dtype) for steps of 4 or more rows (default on: the dense kernel is ~1.7x faster
-    there than dequantizing per step, for about the memory of the unquantized model; 0 =
-    dequantize into a reused buffer at each batched product instead)."""
-    return _get_bool("SHARDSERVE_QUANT_DENSE_BATCHES", True)
+    """SHARDSERVE_QUANT_DENSE_BATCHES=1: with quantized weights, also keep a prepacked dense copy
+    (the model's dtype) for steps of 4 or more rows (opt-in: it costs the memory of the
+    unquantized model, ~10x a Q4 file in float32; default off = the panel GEMM from the blocks,
+    csrc/quant_gemm.c)."""
+    return _get_bool("SHARDSERVE_QUANT_DENSE_BATCHES", False)
 
 
 def fused_decode() -> bool:

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
+# And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
+GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
 # And the LoRA adapters' share of a projection, grouped by adapter slot (model/lora.py).
@@ -130,7 +132,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
+    sources = (source_path, QUANT_SOURCE, GEMM_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
@@ -183,8 +185,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32],
         "apply_token_bitmask": [ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "quant_matmul": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
+        "quant_gemm": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
         "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
-        "quant_dequantize_fast": [ptr, i32, ptr, i64, i32, i64, i64, i32],
         "quant_can_repack": [],
         "decode_layers": [ptr, i64, ptr],
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,

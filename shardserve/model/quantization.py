@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from shardserve.model import native_kernels
 
@@ -36,9 +35,9 @@ _REPACKED: dict[int, tuple[str, int, int]] = {R4: ("R4", 32, 20), R8: ("R8", 32,
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# From this many rows of x on, a product runs the dense kernel (on the layer's prepacked copy,
-# or dequantizing into a reused buffer): the integer path pays a float scale per 32 weights and
-# row of x, which the dense GEMM does not (measured on AVX-512: the integer kernel wins up to 3).
+# From this many rows of x on, a product runs the panel GEMM (quant_gemm.c: weights decoded to
+# float32 once per call, reused by every row): the integer path pays a float scale per 32 weights
+# and row of x, which the GEMM does not (measured on AVX-512: the integer kernel wins up to 3).
 DENSE_MIN_ROWS = 4
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
 
@@ -172,23 +171,19 @@ def matmul_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     _check(rc, f"quant_matmul ({w.type_name})")
 
 
-_scratch: dict[torch.dtype, torch.Tensor] = {}
-
-
-def dequantize_fast(w: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """W as a [rows, cols] `dtype` view of a buffer reused by the next call (so use it before
-    dequantizing another weight); None where this build cannot (no AVX2, or repacked rows): the
-    integer path then runs."""
-    numel = w.shape[0] * w.cols
-    buf = _scratch.get(dtype)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch[dtype] = torch.empty(numel, dtype=dtype)
-    out = buf[:numel].view(w.shape)
-    rc = native_kernels.lib().quant_dequantize_fast(
-        out.data_ptr(), _OUT_DTYPES[dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type,
-        w.shape[0], w.cols, _threads(),
+def gemm_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
+    """out = x @ W.T as matmul_into, for many rows of x: the weight decoded panel by panel to
+    float32 and reused by every row (csrc/quant_gemm.c), no dense copy kept."""
+    b, k = x.shape
+    if k != w.cols or out.shape != (b, w.shape[0]) or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"quantized gemm shapes: x {tuple(x.shape)}, W {w.shape}, "
+                         f"out {tuple(out.shape)}")
+    rc = native_kernels.lib().quant_gemm(
+        out.data_ptr(), out.stride(0), _OUT_DTYPES[out.dtype], x.data_ptr(), x.stride(0),
+        _OUT_DTYPES[x.dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type, b,
+        w.shape[0], k, _threads(),
     )
-    return None if rc == -2 else out
+    _check(rc, f"quant_gemm ({w.type_name})")
 
 
 def dequantize_rows(w: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -262,15 +257,9 @@ class QuantWeight:
             x2 = x2.float().contiguous()
         out = torch.empty(x2.shape[0], self.rows,
                           dtype=dtype if dtype in _OUT_DTYPES else torch.float32)
+        product = gemm_into if x2.shape[0] >= DENSE_MIN_ROWS else matmul_into
         for offset, seg in self.segments:
-            dst = out.narrow(1, offset, seg.shape[0])
-            dense = dequantize_fast(seg, x2.dtype) if x2.shape[0] >= DENSE_MIN_ROWS else None
-            if dense is None:
-                matmul_into(dst, x2, seg)
-            elif len(self.segments) == 1 and out.dtype == x2.dtype:
-                torch.mm(x2, dense.t(), out=out)
-            else:
-                dst.copy_(F.linear(x2, dense))
+            product(out.narrow(1, offset, seg.shape[0]), x2, seg)
         out = out if out.dtype == dtype else out.to(dtype)
         return out.view(*lead, self.rows)
 

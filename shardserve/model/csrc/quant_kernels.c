@@ -552,42 +552,61 @@ ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, voi
     }
 }
 
-#define DEQUANT_CASE(T)                                                                \
-    case T:                                                                            \
-        fast_dequant_row(T, w + n * row_bytes, K, (char *)out + n * K * esize, out_dtype); \
-        break;
 #endif
 
 /*
- * out [N, K] = W as float32 / bfloat16 for a batched product (the caller multiplies with a
- * dense kernel): fast, not bit-exact (s * q + m rounds once). Needs AVX2; returns -2 without it.
+ * Elements [k0, k0 + kc) of one weight row of K as float32 (w = s * q + m), for the batched
+ * GEMM (quant_gemm.c): k0 and kc whole blocks, kc <= QDECODE_MAX. The GGML types decode from
+ * their blocks (with AVX2, in registers; else through decode_row); the repacked R4 / R8 rows keep
+ * their scales at the row's end, so they are read where they lie.
  */
-int quant_dequantize_fast(void *out, int out_dtype, const uint8_t *w, int64_t row_bytes,
-                          int type, int64_t N, int64_t K, int num_threads) {
-    int elems, bytes;
-    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes ||
-        type == T_R4 || type == T_R8)
-        return -2;
-#if QK_SIMD
-    const size_t esize = out_dtype == DT_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(N * K >= QPARALLEL_MIN ? num_threads : 1) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        switch (type) {
-            DEQUANT_CASE(T_Q4_0)
-            DEQUANT_CASE(T_Q4_1)
-            DEQUANT_CASE(T_Q8_0)
-            DEQUANT_CASE(T_Q4_K)
-            DEQUANT_CASE(T_Q5_K)
-            DEQUANT_CASE(T_Q6_K)
-        default: break;
+void quant_decode_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
+                      float *out) {
+    if (type == T_R4 || type == T_R8) {
+        const uint8_t *d16 = row + (type == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
+        for (int64_t sub = k0 / 32; sub < (k0 + kc) / 32; sub++) {
+            const float d = half_to_f32(d16 + 2 * sub);
+            const float m = type == T_R4 ? half_to_f32(m16 + 2 * sub) : 0.f;
+            float *o = out + 32 * sub - k0;
+            if (type == T_R8) {
+                const int8_t *q = (const int8_t *)row + 32 * sub;
+                for (int l = 0; l < 32; l++) o[l] = d * (float)q[l];
+            } else {
+                const uint8_t *nib = row + 32 * (sub / 2);
+                const int hi = (int)(sub & 1) * 4;
+                for (int l = 0; l < 32; l++) o[l] = d * (float)((nib[l] >> hi) & 0xF) + m;
+            }
         }
+        return;
     }
-    return 0;
+    int elems = 32, bytes = 0;
+    block_shape(type, &elems, &bytes);
+    const uint8_t *first = row + k0 / elems * bytes;
+#if QK_SIMD
+    switch (type) {
+    case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_F32); return;
+    case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_F32); return;
+    case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_F32); return;
+    case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_F32); return;
+    case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_F32); return;
+    case T_Q6_K: fast_dequant_row(T_Q6_K, first, kc, out, DT_F32); return;
+    default: return;
+    }
 #else
-    (void)out; (void)out_dtype; (void)w; (void)N; (void)num_threads;
-    return -2;
+    uint8_t q[QDECODE_MAX];
+    float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
+    row_t r = {q, s, m};
+    decode_row(first, kc, type, &r);
+    const int is_signed = type == T_Q8_0;
+    for (int64_t k = 0; k < kc; k++) {
+        const float v = is_signed ? (float)(int8_t)q[k] : (float)q[k];
+        out[k] = s[k / 16] * v + m[k / 16];
+    }
 #endif
 }
+
+/* quant_gemm.c's view of block_shape. */
+int quant_block_shape(int type, int *elems, int *bytes) { return block_shape(type, elems, bytes); }
 
 #if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define QK_REPACK 1

@@ -1,0 +1,191 @@
+/*
+ * Batched products with quantized weights, from the blocks, with no dense copy of W anywhere:
+ * out[b, n] = sum_k x[b, k] * W[n, k] for B rows of x (a batched decode, a verify step, a
+ * prefill) and W [N, K] as GGML blocks (quant_kernels.c's header draws the layouts).
+ *
+ * Why float32 and not integers: the batch-1 path (quant_matmul) quantizes x to int16 because
+ * there reading W is all a step costs. With many rows of x the cost is the multiply-adds, and
+ * on AVX2 an int16 multiply-add (vpmaddwd, then vpaddd) does no more per instruction than a
+ * float FMA, while its per-16 weight scales cost extra instructions per row of x; int8
+ * activations (vpmaddubsw / VNNI) would be faster but agree with float32 at only ~98% top-1 on
+ * the default model. So each weight is decoded once per call to float32 into a small panel
+ * (L1/L2-sized) and reused by every row of x: the decode is paid once per weight, the FMAs are
+ * the dense kernel's, and the result is as exact as the dequantized float32 model's.
+ *
+ *   threads split the N output columns into tiles of NT weight rows (a tile per task):
+ *   for each tile:                          out tile [B, NT] accumulated in float (otile)
+ *     for each chunk of KC columns of K:    panel [NT, KC] = decoded W rows (quant_decode_f32)
+ *       for b in steps of MR, n in steps of NC:
+ *         acc[MR][NC] vectors += x[b.., k] * panel[n.., k] over the chunk; otile += hsum(acc)
+ *     out tile = otile (float32 or bfloat16)
+ *
+ * Vectors are GCC vector extensions of the build's width (16 floats with AVX-512, 8 with AVX2,
+ * 4 otherwise), so one source serves every ISA level; the compiler emits FMAs where it may.
+ * x in bfloat16 (or with a column stride) is converted to a float32 copy first.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels_common.h"
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 4
+#define NC 4
+#elif defined(__AVX__)
+#define VL 8
+#define MR 3
+#define NC 3
+#else
+#define VL 4
+#define MR 2
+#define NC 3
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
+
+/* K's chunk per panel: whole blocks of every type (256), QDECODE_MAX at most. */
+#define KC 512
+/* Weight rows per panel (a multiple of NC's common sizes is not needed: edges are handled). */
+#define NT 24
+/* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
+#define GEMM_PARALLEL_MIN (256 * 1024)
+
+ALWAYS_INLINE float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* otile[r * NT + c] += x[r] . panel[c] over kc columns, for mr <= MR rows and nc <= NC panel
+ * rows: mr and nc are constants at every call site, so each pair compiles to its own
+ * fully-unrolled loop with the accumulators in registers. */
+ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
+                         float *otile) {
+    vf acc[MR][NC];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = (vf){0};
+    for (int64_t k = 0; k < kc; k += VL) {
+        vf w[NC];
+        for (int c = 0; c < nc; c++) w[c] = *(const vf_u *)(p + c * KC + k);
+        for (int r = 0; r < mr; r++) {
+            const vf xv = *(const vf_u *)(x + r * xs + k);
+            for (int c = 0; c < nc; c++) acc[r][c] += xv * w[c];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) otile[r * NT + c] += hsum(acc[r][c]);
+}
+
+#define MICRO_NC(MRV)                                                                      \
+    switch (nc) {                                                                          \
+    case 1: micro(MRV, 1, x, xs, p, kc, otile); break;                                     \
+    case 2: micro(MRV, 2, x, xs, p, kc, otile); break;                                     \
+    case 3: micro(MRV, 3, x, xs, p, kc, otile); break;                                     \
+    default: micro(MRV, NC, x, xs, p, kc, otile); break;                                   \
+    }
+
+static void micro_any(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
+                      float *otile) {
+    switch (mr) {
+    case 1: MICRO_NC(1) break;
+#if MR > 2
+    case 2: MICRO_NC(2) break;
+#endif
+#if MR > 3
+    case 3: MICRO_NC(3) break;
+#endif
+    default: MICRO_NC(MR) break;
+    }
+}
+
+/* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x. */
+static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const float *x, int64_t xs,
+                      int64_t B, int64_t K, int64_t n0, int64_t nt, float *panel, float *otile) {
+    memset(otile, 0, sizeof(float) * (size_t)(B * NT));
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int64_t c = 0; c < nt; c++)
+            quant_decode_f32(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * KC);
+        for (int64_t b = 0; b < B; b += MR) {
+            const int mr = (int)(B - b < MR ? B - b : MR);
+            for (int64_t c = 0; c < nt; c += NC) {
+                const int nc = (int)(nt - c < NC ? nt - c : NC);
+                micro_any(mr, nc, x + b * xs + k0, xs, panel + c * KC, kc, otile + b * NT + c);
+            }
+        }
+    }
+}
+
+static void store_tile(void *out, int64_t out_stride, int out_dtype, const float *otile,
+                       int64_t B, int64_t n0, int64_t nt) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *src = otile + b * NT;
+        if (out_dtype == DT_F32) {
+            memcpy((float *)out + b * out_stride + n0, src, sizeof(float) * (size_t)nt);
+        } else {
+            uint16_t *dst = (uint16_t *)out + b * out_stride + n0;
+            for (int64_t c = 0; c < nt; c++) dst[c] = f32_to_bf16(src[c]);
+        }
+    }
+}
+
+/* x as float32 rows of unit column stride: itself where it is one, else a converted copy. */
+static const float *x_as_f32(const void *x, int64_t x_stride, int dtype, int64_t B, int64_t K,
+                             float **copy, int64_t *xs) {
+    *copy = NULL;
+    *xs = x_stride;
+    if (dtype == DT_F32 && K % VL == 0) return (const float *)x;
+    *copy = malloc(sizeof(float) * (size_t)(B * K));
+    if (*copy == NULL) return NULL;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < K; k++)
+            (*copy)[b * K + k] = dtype == DT_F32 ? ((const float *)x)[b * x_stride + k]
+                                                 : bf16_to_f32(((const uint16_t *)x)[b * x_stride + k]);
+    *xs = K;
+    return *copy;
+}
+
+/*
+ * out[b * out_stride + n] = sum_k x[b * x_stride + k] * W[n, k] for b < B, n < N: quant_matmul's
+ * contract (same arguments, dtypes 0 f32 / 1 bf16), for any B. Returns 0, -1 when out of
+ * memory, -2 for a type or K it cannot handle (K must be whole blocks and a multiple of VL).
+ */
+int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
+               int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
+               int64_t K, int num_threads) {
+    int elems, bytes;
+    if (!quant_block_shape(type, &elems, &bytes) || K % elems || K % VL || KC % elems ||
+        row_bytes < K / elems * bytes)
+        return -2;
+    float *copy;
+    int64_t xs;
+    const float *xf = x_as_f32(x, x_stride, dtype, B, K, &copy, &xs);
+    if (xf == NULL) return -1;
+    const int64_t tiles = (N + NT - 1) / NT;
+    const int threads = B * N * K >= GEMM_PARALLEL_MIN ? num_threads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *panel = malloc(sizeof(float) * (size_t)(NT * KC));
+        float *otile = malloc(sizeof(float) * (size_t)(B * NT));
+        /* Every thread enters the loop (a worksharing loop skipped by one would hang the
+         * others at its barrier); one without scratch only records the failure. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
+            if (panel == NULL || otile == NULL) {
+                failed = 1;
+                continue;
+            }
+            gemm_tile(w, row_bytes, type, xf, xs, B, K, n0, nt, panel, otile);
+            store_tile(out, out_stride, out_dtype, otile, B, n0, nt);
+        }
+        free(panel);
+        free(otile);
+    }
+    free(copy);
+    return failed ? -1 : 0;
+}
