@@ -1,9 +1,25 @@
 """shardserve (each quantization) against llama.cpp on the same GGUF file, on this CPU, in one run.
 
     python bench/cpu_vs_llamacpp.py [--rounds 3] [--model PATH.gguf] [--threads 2]
-        [--sides gguf,gguf-layerwise,none-bf16,none-f32,int8] [--llama-python PATH]
-        [--llama-requests 4]
+        [--sides gguf,gguf-layerwise,gguf-nodense,none-bf16,none-f32,int8]
+        [--isa native|avx2|portable] [--llama-python PATH] [--llama-requests 4]
+    python bench/cpu_vs_llamacpp.py --llama-bin /tmp/llamacpp --model /tmp/gguf/llama-1b-q4km.gguf
+        [--isa native|avx2] [--sides gguf,gguf-nodense] [--batches 1,8,32] [--plot out.png]
 
+--isa sets SHARDSERVE_ISA for shardserve (the kernels' instruction set) and, with --llama-bin,
+picks llama.cpp's binaries DIR/bin-<isa> (../shared/bench/build_llama_cpp.sh DIR native|avx2).
+Both tables run every side at --threads (SHARDSERVE_NUM_THREADS, llama.cpp's -t).
+Side gguf-nodense is gguf with SHARDSERVE_QUANT_DENSE_BATCHES=0 (no dense weight copy).
+
+With --llama-bin (or --table real): the real-size table (bench/_real_size.py), every side a
+fresh process per round: resident memory after load, load time, cold start (and minus a bare
+`import torch` of the same round), prefill tok/s (--pp 512: llama-bench's pp512), batch-1 decode
+(--tg 128: llama-bench's tg128), decode tok/s at each of --batches (llama-batched-bench's S_TG;
+bench/_shardserve_side.py says how shardserve's figure matches it), ratios side by side, the
+weights' bytes read per batch-1 token against the read bandwidth measured in the same round,
+and with --plot FILE.png decode tok/s against batch size (needs matplotlib: the bench extra).
+
+Without it, the classic table, below.
 llama.cpp's side needs llama-cpp-python (the `bench` extra pins 0.3.36). Build it for this CPU:
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
 into this interpreter or into a virtualenv of its own (then pass --llama-python
@@ -33,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+from _real_size import first_line_time, run_real, shardserve_cold_start
 from _rounds import Rounds, make_prompts, rotated, spread, timed
 
 from shardserve import LLM, SamplingParams
@@ -44,10 +61,13 @@ SIDES = {  # side -> LLM / CLI options
     "none-f32": {"quantization": "none", "dtype": "float32"},
     "int8": {"quantization": "int8", "dtype": "auto"},
     "gguf-layerwise": {"quantization": "gguf", "dtype": "auto"},
+    "gguf-nodense": {"quantization": "gguf", "dtype": "auto"},
 }
 # Sides that differ by a tuning knob: gguf with its decode steps layer by layer from Python
 # instead of one C call through the stack (model/fused_decode.py), to show what that call gains.
-SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"}}
+# gguf-nodense: without the dense weight copy that steps of 4+ rows use (matmul_layer.py).
+SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"},
+            "gguf-nodense": {"SHARDSERVE_QUANT_DENSE_BATCHES": "0"}}
 LLAMA = "llama.cpp"
 COLUMNS = ("cold start s", "batch-1 tok/s", "64x128 tok/s")
 _LLAMA_COLD = """
@@ -57,22 +77,6 @@ llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]), verbo
 llm.create_completion("Hi", max_tokens=1)
 print("first token", flush=True)
 """
-
-
-def first_line_time(cmd: list[str], marker: str, env: dict[str, str] | None = None) -> float:
-    """Seconds from spawning cmd to the first stdout line containing marker."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})})
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            if marker in line:
-                return time.perf_counter() - t0
-        raise RuntimeError(f"{cmd[:4]}... exited ({proc.wait()}) without printing {marker!r}")
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 class ShardserveSide:
@@ -93,11 +97,7 @@ class ShardserveSide:
         self.threads = threads
 
     def cold_start(self) -> float:
-        script = Path(sys.executable).with_name("shardserve")
-        base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
-        flags = [f"--{k}={v}" for k, v in self.options.items()]
-        return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model",
-                                self.model, *flags], "--- output 1", self.env)
+        return shardserve_cold_start(self.model, self.options, self.env)
 
     def decode_rate(self, prompt: str, tokens: int) -> float:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -199,8 +199,29 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--isa", choices=("native", "avx2", "portable"), default="native",
+                        help="SHARDSERVE_ISA; llama.cpp's bin-<isa> with --llama-bin")
+    real = parser.add_argument_group("real-size table (--llama-bin or --table real)")
+    real.add_argument("--table", choices=("classic", "real"), default=None,
+                      help="default: real with --llama-bin, else classic")
+    real.add_argument("--llama-bin", default=None,
+                      help="build_llama_cpp.sh's output folder (holding bin-native, bin-avx2)")
+    real.add_argument("--batches", default="1,8,32")
+    real.add_argument("--npp", type=int, default=64, help="prompt tokens per sequence")
+    real.add_argument("--ntg", type=int, default=64, help="decode steps per batch size")
+    real.add_argument("--pp", type=int, default=512, help="prefill test's prompt tokens")
+    real.add_argument("--tg", type=int, default=128, help="batch-1 decode test's tokens")
+    real.add_argument("--llama-bench-reps", type=int, default=1, help="llama-bench's -r")
+    real.add_argument("--plot", default=None, help="FILE.png: decode tok/s against batch size")
     args = parser.parse_args()
     model = args.model or str(default_model_path())
+    os.environ["SHARDSERVE_ISA"] = args.isa
+    os.environ.setdefault("SHARDSERVE_NUM_THREADS", str(args.threads))
+    if (args.table or ("real" if args.llama_bin else "classic")) == "real":
+        if args.sides == parser.get_default("sides"):
+            args.sides = "gguf,gguf-nodense"
+        run_real(args, SIDES, SIDE_ENV, model)
+        return
     prompts = make_prompts(args.prompts)
     sides: list = [ShardserveSide(name, model, args.threads) for name in args.sides.split(",")]
     has_llama = llama_available(args.llama_python)

@@ -1,0 +1,185 @@
+"""The real-size table of bench/cpu_vs_llamacpp.py (with --llama-bin): shardserve's sides and
+llama.cpp's own binaries on one GGUF, every side a fresh process per round.
+
+Each round measures, back to back: a bare `python -c "import torch"` (spawn to exit) and the
+machine's read bandwidth (bench/_llamacpp_bin.py), then every side (the order rotating per
+round): its measurements (bench/_shardserve_side.py; llama-bench and llama-batched-bench) and its
+cold start. Ratios are taken within a round and reported as the median over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _llamacpp_bin import (
+    LlamaBinSide,
+    import_torch_s,
+    read_bandwidth_gbs,
+    run_child,
+    weight_bytes_per_token,
+)
+from _rounds import Rounds, median_or_nan, rotated, spread
+
+LLAMA = "llama.cpp"
+MACHINE = "machine"
+# Columns where lower is better (ratios still shardserve / llama.cpp).
+RSS, PEAK, LOAD, COLD, COLD_NET = "RSS MB", "peak MB", "load s", "cold s", "cold-torch"
+
+
+def first_line_time(cmd: list[str], marker: str, env: dict[str, str] | None = None) -> float:
+    """Seconds from spawning cmd to the first stdout line containing marker."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})})
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if marker in line:
+                return time.perf_counter() - t0
+        raise RuntimeError(f"{cmd[:4]}... exited ({proc.wait()}) without printing {marker!r}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def shardserve_cold_start(model: str, options: dict, env: dict[str, str]) -> float:
+    """`shardserve generate "Hi" --max-tokens 1` with the side's flags: spawn to first output."""
+    script = Path(sys.executable).with_name("shardserve")
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
+    flags = [f"--{k}={v}" for k, v in options.items()]
+    return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model", model,
+                            *flags], "--- output 1", env)
+
+
+class ShardserveRealSide:
+    """One shardserve side; bench/_shardserve_side.py in a fresh process per round."""
+
+    def __init__(self, name: str, model: str, options: dict, env: dict[str, str],
+                 shape: dict) -> None:
+        self.name, self.model, self.options, self.env, self.shape = name, model, options, env, shape
+
+    def measure(self) -> dict:
+        here = Path(__file__).with_name("_shardserve_side.py")
+        cfg = {"model": self.model, "options": self.options, **self.shape}
+        out, _, _, _ = run_child([sys.executable, str(here), json.dumps(cfg)], self.env)
+        return json.loads(out.strip().splitlines()[-1])
+
+    def cold_start(self) -> float:
+        return shardserve_cold_start(self.model, self.options, self.env)
+
+    def close(self) -> None:
+        pass
+
+
+def columns(shape: dict) -> list[str]:
+    return [RSS, PEAK, LOAD, COLD, COLD_NET, f"pp{shape['pp']}", f"tg{shape['tg']}",
+            *(f"B={b}" for b in shape["batches"])]
+
+
+def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Rounds) -> None:
+    torch_s = import_torch_s()
+    samples.add((MACHINE, "import torch s"), torch_s)
+    samples.add((MACHINE, "GB/s"), read_bandwidth_gbs(threads))
+    cols = columns(shape)
+    for side in rotated(sides, r):
+        got = side.measure()
+        cold = side.cold_start()
+        decode = [got["decode"].get(str(b), float("nan")) for b in shape["batches"]]
+        values = [got["rss_mb"], got["peak_mb"], got["load_s"], cold, cold - torch_s,
+                  got["pp"], got["tg"], *decode]
+        for col, value in zip(cols, values, strict=True):
+            samples.add((side.name, col), value)
+        print(f"  {side.name}: " + json.dumps({k: v for k, v in got.items() if k != "decode"}
+                                               | {"decode": got["decode"], "cold_s": cold}),
+              flush=True)
+
+
+def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
+           rounds: int) -> None:
+    cols = columns(shape)
+    has_llama = LLAMA in names
+    print("\nmedians over rounds (tok/s unless marked; RSS: after load (llama.cpp: its peak); "
+          "cold-torch = cold s minus a bare `import torch` in the same round)")
+    print(f"{'side':<14}" + "".join(f"{c:>11}" for c in cols))
+    for name in names:
+        print(f"{name:<14}" + "".join(f"{samples.median((name, c)):>11.2f}" for c in cols))
+    if has_llama:
+        print("\nshardserve / llama.cpp, median of per-round ratios (RSS, load, cold: lower is "
+              "better)")
+        for name in names:
+            if name == LLAMA:
+                continue
+            cells = [samples.ratio((name, c), (LLAMA, c)) for c in cols]
+            print(f"{name:<14}" + "".join(f"{x:>10.2f}x" for x in cells))
+            if rounds > 1:
+                ranges = [spread(samples.ratios((name, c), (LLAMA, c))) for c in cols]
+                print(f"{'  range':<14}" + "".join(f"{x:>11}" for x in ranges))
+    bw = samples.values((MACHINE, "GB/s"))
+    bounds = [g * 1e9 / bytes_per_token for g in bw]
+    print(f"\nbatch 1: {bytes_per_token / 1e6:.1f} MB of weights read per token (file tensors, "
+          f"one embedding row); read bandwidth {median_or_nan(bw):.1f} GB/s ({spread(bw, '.1f')})"
+          f" -> bound {median_or_nan(bounds):.1f} tok/s; bare import torch "
+          f"{samples.median((MACHINE, 'import torch s')):.2f} s")
+    b1 = f"B={shape['batches'][0]}"
+    tg = f"tg{shape['tg']}"
+    for name in names:
+        for col in (b1, tg):
+            shares = [v / b for v, b in zip(samples.values((name, col)), bounds, strict=False)]
+            print(f"  {name:<14} {col:>6}: {100 * median_or_nan(shares):5.1f}% of the bound")
+
+
+def plot(samples: Rounds, names: list[str], shape: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = shape["batches"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        ys = [samples.median((name, f"B={b}")) for b in batches]
+        ax.plot(batches, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (sequences decoding together)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def run_real(args, sides_options: dict, side_env: dict, model: str) -> None:
+    """The whole real-size benchmark for parsed args (bench/cpu_vs_llamacpp.py)."""
+    shape = {"batches": [int(b) for b in args.batches.split(",")], "npp": args.npp,
+             "ntg": args.ntg, "pp": args.pp, "tg": args.tg}
+    env = {"SHARDSERVE_ISA": args.isa, "SHARDSERVE_NUM_THREADS": str(args.threads)}
+    sides: list = [ShardserveRealSide(n, model, sides_options[n], {**env, **side_env.get(n, {})},
+                                      shape) for n in args.sides.split(",")]
+    bin_dir = Path(args.llama_bin or ".") / f"bin-{args.isa}"
+    if args.llama_bin and bin_dir.is_dir():
+        sides.append(LlamaBinSide(bin_dir, model, args.threads, args.pp, args.tg, args.npp,
+                                  args.ntg, shape["batches"], args.llama_bench_reps))
+    else:
+        print(f"llama.cpp side skipped: no --llama-bin DIR with bin-{args.isa} in it "
+              f"(../shared/bench/build_llama_cpp.sh DIR native|avx2)")
+    bytes_per_token = weight_bytes_per_token(model)
+    samples = Rounds()
+    for side in sides:  # warm-up: kernels built for this ISA, the file in the page cache
+        if isinstance(side, ShardserveRealSide):
+            side.cold_start()
+    for r in range(args.rounds):
+        measure_round(sides, r, shape, args.threads, samples)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    names = [s.name for s in sides]
+    report(samples, names, shape, bytes_per_token, args.rounds)
+    if args.plot:
+        plot(samples, names, shape, args.plot,
+             f"{Path(model).name}, {args.threads} threads, ISA {args.isa}")
