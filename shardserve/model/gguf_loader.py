@@ -26,7 +26,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardserve.config.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
-from shardserve.model.quantization import QuantizedTensor, is_kept_type, raw_rows
+from shardserve.model.file_map import drop_pages, file_tensor
+from shardserve.model.quantization import QuantizedTensor, is_kept_type
 
 # GGUF general.architecture -> the HF class whose parameter layout the file holds.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -287,11 +288,12 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch, keep_quantized: bool
                    ) -> Callable[[TensorInfo], Any]:
     permute = gf.metadata.get("general.architecture") == "llama"
+    file = file_tensor(buf)
 
     def load(t: TensorInfo) -> torch.Tensor | QuantizedTensor:
-        raw = np.frombuffer(buf, dtype=np.uint8, count=_nbytes(t), offset=t.offset)
         if keep_quantized and len(t.shape) == 2 and is_kept_type(t.ggml_type):
-            return _quantized(t, raw)
+            return _quantized(t)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=_nbytes(t), offset=t.offset)
         qtype = GGMLQuantizationType(t.ggml_type)
         try:
             values = dequantize(raw.reshape(*t.shape[:-1], -1), qtype)
@@ -300,12 +302,16 @@ def _tensor_loader(gf: GGUFFile, buf: mmap.mmap, arch: ModelArch, keep_quantized
         values = hf_rows(t, values.reshape(t.shape))
         if not values.flags.writeable or values.dtype != np.float32:
             values = values.astype(np.float32)  # F32 tensors come back as views of the mmap
+        drop_pages(file.narrow(0, t.offset, _nbytes(t)))  # only the float copy is used
         return torch.from_numpy(np.ascontiguousarray(values))
 
-    def _quantized(t: TensorInfo, raw: np.ndarray) -> QuantizedTensor:
-        # Rows are whole blocks, so the Q/K row permutation moves byte rows as it moves values.
-        rows = hf_rows(t, raw.reshape(t.shape[0], -1))
-        return QuantizedTensor(raw_rows(rows, t.shape[0]), t.ggml_type, t.shape[1])
+    def _quantized(t: TensorInfo) -> QuantizedTensor:
+        """The blocks where they lie in the file (no copy). llama-arch Q/K rows stay in the
+        file's interleaved RoPE order: the model computes in that order (QKVParallelLinear),
+        so un-permuting them to HF's here would only be undone there."""
+        rows = file.narrow(0, t.offset, _nbytes(t)).view(t.shape[0], -1)
+        interleaved = permute and (".attn_q." in t.name or ".attn_k." in t.name)
+        return QuantizedTensor(rows, t.ggml_type, t.shape[1], rope_interleaved=interleaved)
 
     def hf_rows(t: TensorInfo, rows: np.ndarray) -> np.ndarray:
         """Q/K rows back in HF's order (llama-arch files); other tensors unchanged."""
@@ -322,7 +328,8 @@ def iter_gguf_weights(
     path: Path, workers: int = 2, window: int = 8, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, float32 tensor) pairs in file order; with `keep_quantized`, 2-D tensors of a
-    type the quantized kernels take come as QuantizedTensor blocks instead.
+    type the quantized kernels take come as QuantizedTensor blocks instead: views of the file
+    map, llama-arch Q/K rows in the file's order (`rope_interleaved`, see _tensor_loader).
 
     numpy's ufuncs release the GIL, so a small thread pool dequantizes ahead of the consumer;
     `window` bounds how many finished tensors can wait in memory.

@@ -217,15 +217,24 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.rope_perm = rope_interleave_perm(head_dim) if rope_interleave else None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
-        if self.rope_perm is not None and shard_id in ("q", "k"):
-            # Reorder each head's rows to interleaved RoPE pairs (q and k alike).
-            if isinstance(full, QuantizedTensor):
-                heads = torch.arange(full.shape[0] // self.head_dim).unsqueeze(1)
-                full = full.index_rows((heads * self.head_dim + self.rope_perm).reshape(-1))
-            else:
-                heads = full.view(-1, self.head_dim, *full.shape[1:])
-                full = heads.index_select(1, self.rope_perm).reshape(full.shape)
+        if shard_id in ("q", "k"):
+            full = self._rope_rows(full)
         super().weight_loader(param, full, shard_id)
+
+    def _rope_rows(self, full: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
+        """q or k rows in this layer's order: with rope_perm, each head's rows reordered to
+        interleaved RoPE pairs, unless they come so (a llama GGUF's blocks, used where they lie:
+        see gguf_loader)."""
+        interleaved = isinstance(full, QuantizedTensor) and full.rope_interleaved
+        if interleaved and self.rope_perm is None:
+            raise ValueError("q/k rows in interleaved RoPE order need rope_interleave=True")
+        if self.rope_perm is None or interleaved:
+            return full
+        if isinstance(full, QuantizedTensor):
+            heads = torch.arange(full.shape[0] // self.head_dim).unsqueeze(1)
+            return full.index_rows((heads * self.head_dim + self.rope_perm).reshape(-1))
+        heads = full.view(-1, self.head_dim, *full.shape[1:])
+        return heads.index_select(1, self.rope_perm).reshape(full.shape)
 
     def _shard_index(self, shard_id: object) -> int:
         if shard_id not in self._IDS:
@@ -300,13 +309,21 @@ class VocabParallelEmbedding(MatmulLayer):
             raise ValueError(f"expected {self.vocab_size} vocab rows, got {full.shape[0]}")
         real_rows = max(0, min(self.vocab_end, self.vocab_size) - self.vocab_start)
         if isinstance(full, QuantizedTensor):
-            # Zero bytes decode to zeros in every kept type: the padding rows stay zero.
-            data = torch.zeros(self.rows_per_rank, full.data.shape[1], dtype=torch.uint8)
-            data[:real_rows] = full.data[self.vocab_start : self.vocab_start + real_rows]
-            self.load_quantized(QuantizedTensor(data, full.ggml_type, full.cols), 0)
+            self._load_quantized_rows(full, real_rows)
             return
         param.data.zero_()
         _copy_into_rows(param, full.narrow(0, self.vocab_start, real_rows), 0)
+
+    def _load_quantized_rows(self, full: QuantizedTensor, real_rows: int) -> None:
+        """This rank's rows of the table: where they are all real, a view of `full` (the file's
+        blocks as they lie); else with zero padding rows (zero bytes decode to zeros in every
+        kept type), copied."""
+        if real_rows == self.rows_per_rank:
+            self.load_quantized(full.narrow_rows(self.vocab_start, real_rows), 0)
+            return
+        data = torch.zeros(self.rows_per_rank, full.data.shape[1], dtype=torch.uint8)
+        data[:real_rows] = full.data[self.vocab_start : self.vocab_start + real_rows]
+        self.load_quantized(QuantizedTensor(data, full.ggml_type, full.cols), 0)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:

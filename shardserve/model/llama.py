@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -307,13 +308,20 @@ class LlamaForCausalLM(nn.Module):
     def _finalize_quantized(self) -> None:
         """Quantized weights: what a GGUF file handed over quantized stays so (the embedding
         before the LM head, which may share its table); with quantization="int8" the decoder
-        layers' linear weights are quantized per output channel."""
-        embed = getattr(self.model, "embed_tokens", None)
-        for module in self.modules():
-            if isinstance(module, MatmulLayer):
-                module.finalize_quantized()
-                if self.quantization == "int8" and module is not embed and \
-                        module is not getattr(self, "lm_head", None):
+        layers' linear weights are quantized per output channel.
+
+        The layers finalize on a thread pool: their repacks and copies (numpy, single-threaded
+        each) release the GIL. A tied LM head takes the embedding's table, so it goes after."""
+        embed, head = getattr(self.model, "embed_tokens", None), getattr(self, "lm_head", None)
+        matmuls = [m for m in self.modules() if isinstance(m, MatmulLayer)]
+        last = [head] if head in matmuls and head.tied else []
+        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+            list(pool.map(lambda m: m.finalize_quantized(), [m for m in matmuls if m not in last]))
+        for module in last:
+            module.finalize_quantized()
+        if self.quantization == "int8":
+            for module in matmuls:
+                if module is not embed and module is not head:
                     module.quantize_int8()
 
     def _set_packed(self, packed: bool) -> None:

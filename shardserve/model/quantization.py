@@ -12,11 +12,12 @@ per block) with one scale per row, so one kernel serves both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
-import numpy as np
 import torch
 
-from shardserve.model import native_kernels
+from shardserve.model import native_kernels, quant_repack
+from shardserve.model.file_map import drop_pages
 
 # ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -52,6 +53,9 @@ class QuantizedTensor:
     ggml_type: int
     cols: int
     source_type: int | None = None  # the GGUF type a repacked (R4 / R8) tensor came from
+    # Q/K rows already in the model's interleaved RoPE order per head (llama.cpp's own order,
+    # kept by the GGUF loader) rather than HF's rotate-half order.
+    rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         name, elems, nbytes = _layout(self.ggml_type)
@@ -106,26 +110,32 @@ def available() -> bool:
     return native_kernels.supports(torch.float32, torch.device("cpu"))
 
 
-def repack(w: QuantizedTensor) -> QuantizedTensor:
-    """Q4_0 / Q4_1 (cols a multiple of 64) as R4 and Q8_0 as R8, where this build's kernels
-    compute those faster (AVX-512); anything else unchanged. Exact: same values."""
-    kinds = {Q4_0: R4, Q4_1: R4, Q8_0: R8}
-    if w.ggml_type not in kinds or (w.ggml_type != Q8_0 and w.cols % 64) or \
+def repacked_type(w: QuantizedTensor) -> int | None:
+    """R4 for Q4_0 / Q4_1 (cols a multiple of 64), R8 for Q8_0, where this build's kernels
+    compute those faster (AVX-512); None to keep w's layout."""
+    kind = {Q4_0: R4, Q4_1: R4, Q8_0: R8}.get(w.ggml_type)
+    if kind is None or (kind == R4 and w.cols % 64) or \
             not native_kernels.lib().quant_can_repack():
-        return w
-    rows, nb = w.shape[0], w.cols // 32
-    blocks = w.data.view(rows, nb, -1)
-    d = blocks[:, :, 0:2]
+        return None
+    return kind
+
+
+def repack_into(w: QuantizedTensor, dst: torch.Tensor) -> None:
+    """w's rows in its repacked_type's layout into dst uint8 [rows, row_bytes]. Exact."""
     if w.ggml_type == Q8_0:
-        parts = [blocks[:, :, 2:34], d]
+        quant_repack.repack_r8(w.data, dst, w.cols)
     else:
-        qs = blocks[:, :, 4:20] if w.ggml_type == Q4_1 else blocks[:, :, 2:18]
-        m = blocks[:, :, 2:4] if w.ggml_type == Q4_1 else \
-            (d.contiguous().view(torch.float16) * -8).view(torch.uint8)
-        values = torch.cat([qs & 15, qs >> 4], dim=2).view(rows, nb // 2, 2, 32)
-        parts = [values[:, :, 0] | (values[:, :, 1] << 4), d, m]
-    data = torch.cat([p.reshape(rows, -1) for p in parts], dim=1)
-    return QuantizedTensor(data, kinds[w.ggml_type], w.cols, w.ggml_type)
+        quant_repack.repack_r4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
+
+
+def repack(w: QuantizedTensor) -> QuantizedTensor:
+    """w as R4 / R8 where repacked_type says so, else unchanged. Exact: same values."""
+    kind = repacked_type(w)
+    if kind is None:
+        return w
+    data = torch.empty(w.shape[0], w.cols // 32 * _REPACKED[kind][2], dtype=torch.uint8)
+    repack_into(w, data)
+    return QuantizedTensor(data, kind, w.cols, w.ggml_type)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor | None:
@@ -214,18 +224,26 @@ class QuantWeight:
 
     @classmethod
     def from_pieces(cls, pieces: dict[int, QuantizedTensor], rows: int) -> QuantWeight:
-        """Join pieces that follow each other with the same type into one segment."""
-        merged: list[tuple[int, QuantizedTensor]] = []
-        for offset in sorted(pieces):
-            piece = pieces[offset]
-            if merged and merged[-1][1].ggml_type == piece.ggml_type and \
-                    merged[-1][0] + merged[-1][1].shape[0] == offset:
-                start, prev = merged[-1]
-                merged[-1] = (start, QuantizedTensor(torch.cat([prev.data, piece.data]),
-                                                     piece.ggml_type, piece.cols))
+        """Pieces (first row -> rows) as segments, repacked where that computes faster.
+
+        Pieces of one type that follow each other join into one segment where they lie back to
+        back in memory (a GGUF file's gate and up: a view, no copy) or, by a copy, where the
+        whole weight is then one segment (the fused decode and the single-segment call take
+        only that). A weight of several types (Q4_K_M's q/k/v) keeps its pieces apart: joining
+        some would copy them for neither.
+        """
+        order = sorted(pieces.items())
+        one_type = len({p.ggml_type for _, p in order}) == 1
+        groups: list[list[tuple[int, QuantizedTensor]]] = []
+        for offset, piece in order:
+            last = groups[-1][-1] if groups else None
+            if last is not None and last[0] + last[1].shape[0] == offset and \
+                    (one_type or _back_to_back(last[1], piece)):
+                groups[-1].append((offset, piece))
             else:
-                merged.append((offset, piece))
-        return cls(tuple((off, repack(seg)) for off, seg in merged), rows, merged[0][1].cols)
+                groups.append([(offset, piece)])
+        segments = tuple((group[0][0], _segment([p for _, p in group])) for group in groups)
+        return cls(segments, rows, order[0][1].cols)
 
     def __post_init__(self) -> None:
         # The batch-1 decode step calls a weight ~120 times: its one segment's kernel arguments
@@ -270,8 +288,35 @@ class QuantWeight:
         return sum(seg.data.numel() for _, seg in self.segments)
 
 
-def raw_rows(raw: np.ndarray, rows: int) -> torch.Tensor:
-    """A GGUF tensor's bytes as a writable uint8 [rows, row_bytes] tensor (copied out of the
-    read-only file map)."""
-    return torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(rows, -1))
+def _back_to_back(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Whether b's rows follow a's in the same memory, in the same layout."""
+    return a.ggml_type == b.ggml_type and a.source_type == b.source_type and \
+        a.data.is_contiguous() and b.data.is_contiguous() and \
+        a.data.shape[1] == b.data.shape[1] and \
+        a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr() and \
+        a.data.data_ptr() + a.data.numel() == b.data.data_ptr()
 
+
+def _segment(pieces: list[QuantizedTensor]) -> QuantizedTensor:
+    """One tensor of the pieces' rows in order: a view where they are back to back and keep
+    their layout; else written once into new memory (repacked where repacked_type says), the
+    source pages then given back (file_map.drop_pages: a file's pages would stay resident)."""
+    first, rows = pieces[0], sum(p.shape[0] for p in pieces)
+    kind = repacked_type(first)
+    if kind is None and all(_back_to_back(a, b) for a, b in pairwise(pieces)):
+        data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())
+        return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)
+    row_bytes = first.cols // 32 * _REPACKED[kind][2] if kind else first.data.shape[1]
+    data = torch.empty(rows, row_bytes, dtype=torch.uint8)
+    start = 0
+    for piece in pieces:
+        dst = data.narrow(0, start, piece.shape[0])
+        if kind:
+            repack_into(piece, dst)
+        else:
+            dst.copy_(piece.data)
+        drop_pages(piece.data)
+        start += piece.shape[0]
+    if kind:
+        return QuantizedTensor(data, kind, first.cols, first.ggml_type)
+    return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)
