@@ -147,3 +147,23 @@ def test_int8_per_channel_quantization():
     got = q.QuantWeight.from_pieces({0: qt}, 24).matmul(x)
     assert rel_err(got, x.double() @ deq.double().T) < 1e-5
     assert q.quantize_int8(torch.randn(4, 40)) is None  # 40 columns: not whole blocks
+
+
+def test_mixed_type_pieces_stay_apart_unless_back_to_back():
+    """A Q4_K_M-style q/k/v (q, k Q4_K; v Q6_K): joining q and k would copy them and still
+    leave two segments, so they stay as they are; rows back to back in one tensor join by a
+    view."""
+    q_, k, v = (random_blocks(t, n, 256, seed=n) for t, n in ((12, 8), (12, 4), (14, 5)))
+    want = torch.cat([reference(q_), reference(k), reference(v)])
+    apart = q.QuantWeight.from_pieces({0: q_, 8: k, 12: v}, 17)
+    assert [off for off, _ in apart.segments] == [0, 8, 12]
+    assert [seg.data.data_ptr() for _, seg in apart.segments] == \
+        [t.data.data_ptr() for t in (q_, k, v)]  # no copies
+    qk = random_blocks(12, 12, 256, seed=3)
+    joined = q.QuantWeight.from_pieces({0: qk.narrow_rows(0, 8), 8: qk.narrow_rows(8, 4),
+                                        12: v}, 17)
+    assert [off for off, _ in joined.segments] == [0, 12]
+    assert joined.segments[0][1].data.data_ptr() == qk.data.data_ptr()
+    assert torch.equal(apart.dequantize(torch.float32), want)
+    assert torch.equal(joined.dequantize(torch.float32),
+                       torch.cat([reference(qk), reference(v)]))

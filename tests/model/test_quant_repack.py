@@ -1,0 +1,30 @@
+"""quant_repack: Q4_0 / Q4_1 / Q8_0 rows rewritten as R4 / R8 hold the same values (the
+kernels' own dequantization of both layouts, any build) and land in the rows they are given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.model import native_kernels as nk
+from shardserve.model import quant_repack
+from shardserve.model import quantization as q
+from tests.model.test_quantization import random_blocks
+
+pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
+
+
+@pytest.mark.parametrize("ggml_type", [q.Q4_0, q.Q4_1, q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [64, 576, 1536])
+def test_repacked_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
+    w = random_blocks(ggml_type, 11, cols, seed=cols + ggml_type)
+    kind, block_bytes = (q.R8, 34) if ggml_type == q.Q8_0 else (q.R4, 20)  # bytes per 32
+    out = torch.full((15, cols // 32 * block_bytes), 7, dtype=torch.uint8)
+    dst = out.narrow(0, 2, 11)  # rows of a larger buffer, as a joined segment's are
+    if ggml_type == q.Q8_0:
+        quant_repack.repack_r8(w.data, dst, cols)
+    else:
+        quant_repack.repack_r4(w.data, dst, cols, has_min=ggml_type == q.Q4_1)
+    repacked = q.QuantizedTensor(dst, kind, cols, ggml_type)
+    assert torch.equal(repacked.dequantize(), w.dequantize())
+    assert (out[:2] == 7).all() and (out[13:] == 7).all()  # nothing written outside dst
