@@ -9,8 +9,8 @@ Per round, at `-t THREADS`:
   * `llama-batched-bench -npp NPP -ntg NTG -npl B1,B2,.. --output-format jsonl`: decode tok/s
     per batch size (speed_tg = B x NTG / T_TG) and the load time from llama_perf_context_print
     (model load to the end of its first, 16-token warm-up evaluation);
-  * cold start: `llama-batched-bench -npp 1 -ntg 1 -npl 1` from spawn to exit (load, warm-up,
-    one prompt token and one generated token).
+  * cold start: `llama-batched-bench -c 512 -npp 1 -ntg 1 -npl 1` from spawn to exit (load,
+    warm-up, one prompt token and one generated token); shardserve's gets the same context.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+COLD_CTX = 512  # context of both sides' cold starts
 _LOAD_RE = re.compile(r"load time\s*=\s*([0-9.]+)\s*ms")
 
 
@@ -89,7 +90,7 @@ class LlamaBinSide:
 
     def cold_start(self) -> float:
         _, _, seconds, _ = run_child([self._tool("llama-batched-bench"), "-m", self.model,
-                                      "-c", "64", "-npp", "1", "-ntg", "1", "-npl", "1",
+                                      "-c", str(COLD_CTX), "-npp", "1", "-ntg", "1", "-npl", "1",
                                       "-t", str(self.threads)])
         return seconds
 

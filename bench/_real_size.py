@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from _llamacpp_bin import (
+    COLD_CTX,
     LlamaBinSide,
     import_torch_s,
     read_bandwidth_gbs,
@@ -24,6 +25,7 @@ from _llamacpp_bin import (
     weight_bytes_per_token,
 )
 from _rounds import Rounds, median_or_nan, rotated, spread
+from _shardserve_side import kv_bytes
 
 LLAMA = "llama.cpp"
 MACHINE = "machine"
@@ -47,13 +49,14 @@ def first_line_time(cmd: list[str], marker: str, env: dict[str, str] | None = No
         proc.wait()
 
 
-def shardserve_cold_start(model: str, options: dict, env: dict[str, str]) -> float:
+def shardserve_cold_start(model: str, options: dict, env: dict[str, str],
+                          extra: tuple[str, ...] = ()) -> float:
     """`shardserve generate "Hi" --max-tokens 1` with the side's flags: spawn to first output."""
     script = Path(sys.executable).with_name("shardserve")
     base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
     flags = [f"--{k}={v}" for k, v in options.items()]
     return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model", model,
-                            *flags], "--- output 1", env)
+                            *flags, *extra], "--- output 1", env)
 
 
 class ShardserveRealSide:
@@ -70,7 +73,11 @@ class ShardserveRealSide:
         return json.loads(out.strip().splitlines()[-1])
 
     def cold_start(self) -> float:
-        return shardserve_cold_start(self.model, self.options, self.env)
+        # A context of COLD_CTX tokens, as llama.cpp's cold start gets (not 10% of the RAM for
+        # the KV cache, which the engine would zero first).
+        kv = kv_bytes(self.model, self.options.get("dtype", "auto"), COLD_CTX + 64)
+        return shardserve_cold_start(self.model, self.options, self.env, (
+            "--max-model-len", str(COLD_CTX), "--kv-cache-memory-bytes", str(kv)))
 
     def close(self) -> None:
         pass

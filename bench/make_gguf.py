@@ -171,8 +171,10 @@ def write_f16(path: Path, shape: Shape, seed: int, source: Path, name: str) -> i
 
 
 def quantize(tool: str, f16: Path, out: Path, qtype: str, threads: int) -> None:
-    subprocess.run([tool, str(f16), str(out), qtype, str(threads)], check=True,
-                   stdout=subprocess.DEVNULL)
+    done = subprocess.run([tool, str(f16), str(out), qtype, str(threads)], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{tool} exited {done.returncode}:\n{done.stdout[-3000:]}")
 
 
 def parse_shape(args: argparse.Namespace) -> Shape:
