@@ -116,6 +116,21 @@ def test_segments_of_different_types_fill_their_columns(kernels):
     assert logits.dtype == torch.float32 and rel_err(logits, want) < 1e-2
 
 
+@pytest.mark.parametrize("ggml_type", [3, 12, 14], ids=["Q4_1", "Q4_K", "Q6_K"])
+def test_gemm_edges_long_rows_and_strided_x(kernels, ggml_type):
+    """The panel GEMM where its tiling has edges: K past one panel chunk (4,096) and not a
+    multiple of it, N not a multiple of a tile, B not a multiple of the row group, x a column
+    range of a wider tensor (row stride != K), the output a column range of a wider one."""
+    w = random_blocks(ggml_type, 53, 4608, seed=7)
+    wide = torch.randn(23, 4608 + 64, generator=torch.Generator().manual_seed(8))
+    x = wide[:, 32:32 + 4608]
+    out = torch.full((23, 70), 7.0)
+    q.gemm_into(out.narrow(1, 9, 53), x, w)
+    want = x.double() @ reference(w).double().T
+    assert rel_err(out[:, 9:62], want) < 1e-5
+    assert (out[:, :9] == 7).all() and (out[:, 62:] == 7).all()  # nothing written beside it
+
+
 def test_same_type_pieces_merge_into_one_segment():
     a, b = random_blocks(3, 8, 64, seed=1), random_blocks(3, 4, 64, seed=2)
     weight = q.QuantWeight.from_pieces({0: a, 8: b}, 12)

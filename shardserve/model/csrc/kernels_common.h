@@ -52,9 +52,9 @@ int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
 int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
                  int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                  int64_t K, int num_threads);
-#define QDECODE_MAX 1024 /* the most elements quant_decode_f32 decodes at once */
-void quant_decode_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                      float *out);
+#define QDECODE_MAX 1024 /* the most elements quant_decode_chunk decodes at once */
+void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
+                        void *out, int out_dtype);
 int quant_block_shape(int type, int *elems, int *bytes);
 
 /* quant_gemm.c */

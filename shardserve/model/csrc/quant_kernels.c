@@ -555,13 +555,13 @@ ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, voi
 #endif
 
 /*
- * Elements [k0, k0 + kc) of one weight row of K as float32 (w = s * q + m), for the batched
- * GEMM (quant_gemm.c): k0 and kc whole blocks, kc <= QDECODE_MAX. The GGML types decode from
+ * Elements [k0, k0 + kc) of one weight row of K as float32 or bfloat16 (w = s * q + m, rounded
+ * once), for the batched GEMM (quant_gemm.c): k0 and kc whole blocks, kc <= QDECODE_MAX. The GGML types decode from
  * their blocks (with AVX2, in registers; else through decode_row); the repacked R4 / R8 rows keep
  * their scales at the row's end, so they are read where they lie.
  */
-void quant_decode_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                      float *out) {
+static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
+                             float *out) {
     if (type == T_R4 || type == T_R8) {
         const uint8_t *d16 = row + (type == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
         for (int64_t sub = k0 / 32; sub < (k0 + kc) / 32; sub++) {
@@ -603,6 +603,32 @@ void quant_decode_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64
         out[k] = s[k / 16] * v + m[k / 16];
     }
 #endif
+}
+
+void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
+                        void *out, int out_dtype) {
+#if QK_SIMD
+    if (type != T_R4 && type != T_R8 && out_dtype == DT_BF16) {
+        int elems = 32, bytes = 0;
+        block_shape(type, &elems, &bytes);
+        const uint8_t *first = row + k0 / elems * bytes;
+        switch (type) {
+        case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_BF16); return;
+        case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_BF16); return;
+        case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_BF16); return;
+        case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_BF16); return;
+        case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_BF16); return;
+        default: fast_dequant_row(T_Q6_K, first, kc, out, DT_BF16); return;
+        }
+    }
+#endif
+    if (out_dtype == DT_F32) {
+        decode_chunk_f32(type, row, K, k0, kc, (float *)out);
+        return;
+    }
+    float tmp[QDECODE_MAX];
+    decode_chunk_f32(type, row, K, k0, kc, tmp);
+    for (int64_t k = 0; k < kc; k++) ((uint16_t *)out)[k] = f32_to_bf16(tmp[k]);
 }
 
 /* quant_gemm.c's view of block_shape. */
