@@ -103,6 +103,22 @@ def native_kernels() -> bool:
     return _get_bool("SHARDSERVE_NATIVE_KERNELS", True)
 
 
+ISA_LEVELS = ("native", "avx2", "portable")
+
+
+def isa() -> str:
+    """SHARDSERVE_ISA: the instruction-set level the C kernels are built at and loaded
+    (model/kernel_levels.py): native (default; -march=native: AVX-512, VNNI, BF16 where the CPU
+    has them), avx2 (-march=x86-64-v3: AVX2, FMA, F16C, no AVX-512) or portable
+    (-march=x86-64-v2 on x86, no -march elsewhere: the plain C paths). Anything else is
+    refused, naming the choices; avx2 on a CPU without it too (at the build)."""
+    raw = os.environ.get("SHARDSERVE_ISA", "").strip().lower()
+    if raw and raw not in ISA_LEVELS:
+        raise ValueError(f"SHARDSERVE_ISA={raw!r} is not an ISA level: choose one of "
+                         f"{', '.join(ISA_LEVELS)} (or leave it unset for native)")
+    return raw or "native"
+
+
 def quant_dense_batches() -> bool:
     """SHARDSERVE_QUANT_DENSE_BATCHES=1: with quantized weights, also keep a prepacked dense copy
     (the model's dtype) for steps of 4 or more rows (opt-in: it costs the memory of the

@@ -7,7 +7,8 @@ kernel reads K/V rows where they lie, once per step, with float32 accumulation. 
 per-layer ops around it (RMSNorm with the residual add, RoPE, SiLU*up, the KV-cache write) cost
 PyTorch 10-70 us each in dispatch and temporaries, 30 layers a step; in C they are one call each.
 
-Build: `gcc -O3 -march=native -fopenmp -shared` (compiler: SHARDSERVE_CC) into a cache folder
+Build: `gcc -O3 -fopenmp -shared` and the ISA level's -march (SHARDSERVE_ISA: native, avx2,
+portable; kernel_levels.py; logged once when loaded; compiler: SHARDSERVE_CC) into a cache folder
 (SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the sources and their
 shared header (csrc/kernels_common.h), the flags, the compiler and the CPU's flags, so an edit,
 another compiler or another CPU gets its own library.
@@ -28,7 +29,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from shardserve import envs
+from shardserve.model import kernel_levels
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,9 @@ _FLAGS = (
     "-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
     "-fassociative-math", "-fno-signed-zeros",
 )
-NATIVE_ARCH = ("-march=native",)
-# Without AVX-512: the portable C path, which other CPUs run (tests build it to check it here).
-PORTABLE_ARCH = ("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64") else ()
+# The ISA levels' flags (the tests' and the bench's builds) and reports: kernel_levels.py.
+NATIVE_ARCH, AVX2_ARCH, PORTABLE_ARCH = (kernel_levels.ARCH_FLAGS[k] for k in kernel_levels.LEVELS)
+isa_report, levels_buildable_here = kernel_levels.isa_report, kernel_levels.levels_buildable_here
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _BUILD_TIMEOUT_S = 120.0
 _override: ctypes.CDLL | None = None
@@ -84,9 +85,11 @@ def compiler_available() -> bool:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel library built for this CPU, or None where it is disabled or cannot be built."""
+    """The kernel library built at SHARDSERVE_ISA's level, or None where it is disabled or
+    cannot be built. A bad level, or one this CPU lacks, raises ValueError: a setting to fix."""
     if not envs.native_kernels():
         return None
+    flags = kernel_levels.arch_flags(envs.isa())
     if not compiler_available():
         logger.warning(
             "native CPU kernels unavailable (no C compiler %r on PATH, SHARDSERVE_CC); "
@@ -94,12 +97,20 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        return build_library(NATIVE_ARCH)
+        lib = build_library(flags)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         # The model still runs (PyTorch path), but a compiler that cannot build our own source
         # is a bug to fix, not an environment to accept: hence an error, not a warning.
         logger.error("native CPU kernels failed to build (%s); using the PyTorch path", e)
         return None
+    logger.info("native CPU kernels: %s", isa_report(lib))
+    return lib
+
+
+def build_level(level: str) -> ctypes.CDLL:
+    """The kernels built (or cached) at ISA `level` (native, avx2, portable), to run under
+    `using`; ValueError for an unknown level or one this CPU lacks (levels_buildable_here())."""
+    return build_library(kernel_levels.arch_flags(level))
 
 
 def build_library(
@@ -113,6 +124,7 @@ def build_library(
     compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
+    lib.arch_flags = arch_flags  # isa_report names the level by them
     return lib
 
 
@@ -157,21 +169,14 @@ def _cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...])
     """What decides a rebuild: the sources and the header they include, flags, compiler, CPU."""
     source = b"".join(p.read_bytes() for p in (*sources, HEADER))
     return hashlib.sha256(
-        source + " ".join(flags).encode() + _compiler_version(compiler) + _cpu_flags()
+        source + " ".join(flags).encode() + _compiler_version(compiler)
+        + " ".join(sorted(kernel_levels.cpu_flags())).encode()
     ).hexdigest()[:16]
 
 
 def _compiler_version(compiler: str) -> bytes:
     out = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
     return out.stdout
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -37,6 +37,7 @@ from shardserve.messages import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from shardserve.model import native_kernels
 from shardserve.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
@@ -85,6 +86,8 @@ class ModelRunner:
 
     # ---- setup ----
     def load_model(self) -> None:
+        if self.device.type == "cpu":  # built now: logs its ISA level, refuses a bad SHARDSERVE_ISA
+            native_kernels.library()
         layers = self.config.parallel_config.stage_layers(
             get_pp_group().stage, self.arch.num_layers
         )

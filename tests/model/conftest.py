@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -72,3 +73,12 @@ def native_kernels_on(monkeypatch):
     yield
     monkeypatch.undo()
     native_kernels.library.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def level_library() -> Callable[[str], ctypes.CDLL]:
+    """level -> the kernels built at that ISA level (native_kernels.build_level: native, avx2,
+    portable), loaded once a session. The .so is cached on disk under SHARDSERVE_CACHE_DIR by
+    its flags, so only the first run after a source edit pays a build (~20-40 s a level on 2
+    cores), and the other test files' builds with the same flags are the same files."""
+    return functools.cache(native_kernels.build_level)

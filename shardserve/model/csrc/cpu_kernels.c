@@ -1,6 +1,7 @@
 /*
  * CPU kernels for the decode hot path, built on first use by shardserve/model/native_kernels.py
- * (gcc -O3 -march=native -fopenmp) and called through ctypes with raw tensor pointers.
+ * (gcc -O3 -fopenmp and the ISA level's -march: native, x86-64-v3 or x86-64-v2; SHARDSERVE_ISA)
+ * and called through ctypes with raw tensor pointers.
  *
  * Threads: OpenMP. torch ships its own libgomp with the same soname (libgomp.so.1) and has loaded
  * it before this library is opened, so these parallel regions run on torch's thread pool: no
@@ -610,4 +611,38 @@ int apply_token_bitmask(float *logits, int64_t row_stride, const int64_t *rows,
         }
     }
     return 0;
+}
+
+/*
+ * The instruction sets this library was compiled for, one bit each (native_kernels.isa_report
+ * names them; kernel_levels.py's ISA_BITS holds the same order): what the build really runs,
+ * whatever -march said.
+ */
+int kernel_isa(void) {
+    int bits = 0;
+#if defined(__AVX2__)
+    bits |= 1 << 0;
+#endif
+#if defined(__FMA__)
+    bits |= 1 << 1;
+#endif
+#if defined(__F16C__)
+    bits |= 1 << 2;
+#endif
+#if defined(__AVX512F__)
+    bits |= 1 << 3;
+#endif
+#if defined(__AVX512BW__)
+    bits |= 1 << 4;
+#endif
+#if defined(__AVX512VL__)
+    bits |= 1 << 5;
+#endif
+#if defined(__AVX512VNNI__)
+    bits |= 1 << 6;
+#endif
+#if defined(__AVX512BF16__)
+    bits |= 1 << 7;
+#endif
+    return bits;
 }

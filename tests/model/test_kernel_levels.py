@@ -1,0 +1,230 @@
+"""The ISA levels (model/kernel_levels.py): SHARDSERVE_ISA, what a build reports, and every
+level's quantized kernels against the portable build's.
+
+For each quantized weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K from random blocks; int8 = per
+output channel in the Q8_0 layout), each level this CPU runs besides portable, and each entry
+point in ENTRY_POINTS, the result under that level's library is compared with the portable
+build's on the same blocks and x (1, 3 and 5 rows; float32 and bfloat16). The weight is built
+under each level, so where a level repacks (AVX-512: Q4_0 / Q4_1 as R4, Q8_0 and int8 as R8)
+its R4 / R8 kernels are what runs. How close each must be depends on what was computed
+(`kind`, the looser of the two sides'):
+- EXACT, bit for bit: the dequantized weights. Every level decodes a block to the same integers
+  and scales and computes s * q + m once per element; s * q is exact in float32 (an fp16 scale,
+  or d times a 6-bit or int8 scale, times an integer of at most 8 bits: at most 24 bits), so the
+  FMA the SIMD builds use rounds exactly as the portable multiply-then-add does.
+- REORDERED: the products. quant_matmul (the integer path: x quantized per 32 values to int16)
+  gets the same int16 values and the same exact int32 dot product per 16 or 32 elements on every
+  level; quant_gemm (the batched path: the weights decoded to float32 panels) the same float32
+  weights and products. Both then sum float32 partial products in the level's own order (plain
+  C: one running sum; AVX2: 8 lanes; AVX-512: 16; R4 / R8: scales premultiplied per 16
+  sub-blocks), with FMA or without. So not bit for bit: the reordered float32 sums may move by
+  (K/16) * 2^-23 of the largest output (3.8e-6 here, the error of reordering K/16 partial sums
+  of the outputs' size; measured up to 7e-7 for both kernels). bfloat16 outputs are those sums
+  rounded, so two sides may also land one bfloat16 step (2^-7 of the value) apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shardserve.model import kernel_levels
+from shardserve.model import native_kernels as nk
+from shardserve.model import quantization as q
+from tests.model.test_quantization import random_blocks
+
+pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
+
+EXACT, REORDERED = 0, 1
+Result = tuple[torch.Tensor, int]  # what an entry point computed, and its kind
+N, K = 48, 512  # K: two Q4_K blocks, 16 sub-blocks: every repacked scale group is whole
+
+
+def matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
+    """QuantWeight.matmul as the model calls it: quant_matmul below DENSE_MIN_ROWS rows of x,
+    quant_gemm from there on."""
+    return w.matmul(x), REORDERED
+
+
+def quant_matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
+    """The integer path itself (csrc/quant_kernels.c), at every row count."""
+    out = torch.empty(x.shape[0], N, dtype=x.dtype)
+    q.matmul_into(out, x, w.segments[0][1])
+    return out, REORDERED
+
+
+def quant_gemm(w: q.QuantWeight, x: torch.Tensor) -> Result:
+    """The batched path itself (csrc/quant_gemm.c), at every row count."""
+    out = torch.empty(x.shape[0], N, dtype=x.dtype)
+    q.gemm_into(out, x, w.segments[0][1])
+    return out, REORDERED
+
+
+def dequantize_rows(w: q.QuantWeight, x: torch.Tensor) -> Result:
+    """The embedding lookup (quant_dequantize_rows): a few rows, repeated and out of order."""
+    ids = torch.tensor([N - 1, 0, 7, 7, 30][: x.shape[0] + 1], dtype=torch.int64)
+    return q.dequantize_rows(w.segments[0][1], ids, x.dtype), EXACT
+
+
+# Every kernel entry point compared across levels: name -> run(weight, x) under the current
+# build, returning (result, kind). A new entry point is one function and one line here.
+ENTRY_POINTS: dict[str, Callable[[q.QuantWeight, torch.Tensor], Result]] = {
+    "matmul": matmul,
+    "quant_matmul": quant_matmul,
+    "quant_gemm": quant_gemm,
+    "dequantize_rows": dequantize_rows,
+}
+
+WEIGHTS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "int8": None}
+LEVELS = [level for level in nk.levels_buildable_here() if level != "portable"]
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+REORDER_TOL = (K // 16) * 2.0**-23
+
+
+@functools.cache
+def blocks(name: str) -> q.QuantizedTensor:
+    """Random blocks of a GGUF type (random bytes, small finite fp16 scales), or int8."""
+    ggml_type = WEIGHTS[name]
+    if ggml_type is not None:
+        return random_blocks(ggml_type, N, K, seed=ggml_type)
+    return q.quantize_int8(torch.randn(N, K, generator=torch.Generator().manual_seed(8)))
+
+
+def x_rows(rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def run(level_library):
+    """run(level, weight, entry, rows, dtype) -> (result, kind, the weight's ggml type), each
+    computed once (the portable side serves every level)."""
+
+    @functools.cache
+    def run(level: str, weight: str, entry: str, rows: int, dtype: torch.dtype):
+        with nk.using(level_library(level)):
+            w = q.QuantWeight.from_pieces({0: blocks(weight)}, N)  # repacked where the level does
+            got, kind = ENTRY_POINTS[entry](w, x_rows(rows, dtype))
+        return got, kind, w.segments[0][1].ggml_type
+
+    return run
+
+
+def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if kind == EXACT:
+        assert torch.equal(got, want)
+        return
+    g, w = got.double(), want.double()
+    diff, scale = (g - w).abs(), w.abs().max()
+    limit = REORDER_TOL * scale + (w.abs() * 2.0**-7 if got.dtype == torch.bfloat16 else 0)
+    assert (diff <= limit).all(), (diff / scale).max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, rows, dtype):
+    got, kind, _ = run(level, weight, entry, rows, dtype)
+    want, want_kind, portable_type = run("portable", weight, entry, rows, dtype)
+    assert portable_type == (WEIGHTS[weight] or q.Q8_0)  # the portable build never repacks
+    assert_agrees(got, want, max(kind, want_kind))
+
+
+@pytest.mark.parametrize("level", nk.levels_buildable_here())
+def test_a_level_repacks_exactly_where_its_kernels_take_r4_r8(run, level_library, level):
+    """So the comparisons above cover R4 / R8 wherever a level has them (AVX-512 BW/VL)."""
+    lib = level_library(level)
+    features = set(kernel_levels.isa_features(lib))
+    assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
+    types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
+    repacked = {name for name, t in types.items() if t in (q.R4, q.R8)}
+    assert repacked == ({"Q4_0", "Q4_1", "Q8_0", "int8"} if lib.quant_can_repack() else set())
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, level):
+    """R4 / R8 bytes hold the same values as their blocks: the portable build (which decodes
+    them in plain C) computes them bit for bit as the original blocks."""
+    if not level_library(level).quant_can_repack():
+        pytest.skip(f"{level} does not repack")
+    for name in ("Q4_0", "Q4_1", "Q8_0", "int8"):
+        with nk.using(level_library(level)):
+            packed = q.QuantWeight.from_pieces({0: blocks(name)}, N)
+        with nk.using(level_library("portable")):
+            plain = q.QuantWeight.from_pieces({0: blocks(name)}, N)
+            assert packed.segments[0][1].ggml_type in (q.R4, q.R8)
+            assert torch.equal(packed.dequantize(torch.float32), plain.dequantize(torch.float32))
+            for rows in (1, 3, 5):
+                x = x_rows(rows, torch.float32)
+                assert torch.equal(packed.matmul(x), plain.matmul(x)), (name, rows)
+
+
+# ---- the levels themselves ----------------------------------------------------------------
+
+# kernel_isa()'s names -> the /proc/cpuinfo flag of the same instruction set.
+CPU_FLAG = {"AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512F": "avx512f",
+            "AVX512BW": "avx512bw", "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni",
+            "AVX512BF16": "avx512_bf16"}
+
+
+def test_levels_buildable_here_follow_the_cpu(monkeypatch):
+    flags = kernel_levels.cpu_flags()
+    has_avx2 = kernel_levels.X86 and {"avx2", "fma", "f16c"} <= flags
+    assert nk.levels_buildable_here() == ["native", *(["avx2"] if has_avx2 else []), "portable"]
+    monkeypatch.setattr(kernel_levels, "X86", True)
+    monkeypatch.setattr(kernel_levels, "cpu_flags", lambda: {"sse4_2", "avx", "fma"})
+    assert nk.levels_buildable_here() == ["native", "portable"]
+    with pytest.raises(ValueError, match=r"'avx2' cannot run here: this CPU lacks avx2, f16c.*"
+                                         r"runs: native, portable \(SHARDSERVE_ISA\)"):
+        nk.build_level("avx2")
+    with pytest.raises(ValueError, match=r"unknown ISA level 'avx512': choose one of native, "
+                                         r"avx2, portable"):
+        nk.build_level("avx512")
+
+
+def test_the_isa_knob_names_a_bad_value_and_the_choices(monkeypatch, native_kernels_on):
+    from shardserve import envs
+
+    monkeypatch.delenv("SHARDSERVE_ISA", raising=False)
+    assert envs.isa() == "native"
+    monkeypatch.setenv("SHARDSERVE_ISA", " AVX2 ")
+    assert envs.isa() == "avx2"
+    monkeypatch.setenv("SHARDSERVE_ISA", "sse4")
+    with pytest.raises(ValueError, match=r"SHARDSERVE_ISA='sse4' .*native, avx2, portable"):
+        nk.library()  # refused, not a fallback to PyTorch: a setting to fix
+    monkeypatch.setenv("SHARDSERVE_ISA", "avx2")
+    monkeypatch.setattr(kernel_levels, "cpu_flags", lambda: set())
+    with pytest.raises(ValueError, match="'avx2' cannot run here"):
+        nk.library()
+
+
+@pytest.mark.parametrize("level", nk.levels_buildable_here())
+def test_library_loads_the_chosen_level_and_logs_what_it_runs(
+    monkeypatch, caplog, native_kernels_on, level
+):
+    monkeypatch.setenv("SHARDSERVE_ISA", level)
+    with caplog.at_level(logging.INFO, logger="shardserve.model.native_kernels"):
+        lib = nk.library()
+    assert lib is not None and lib.arch_flags == kernel_levels.ARCH_FLAGS[level]
+    features = kernel_levels.isa_features(lib)
+    cpu = {name for name, flag in CPU_FLAG.items() if flag in kernel_levels.cpu_flags()}
+    want = {"native": cpu, "avx2": {"AVX2", "FMA", "F16C"}, "portable": set()}[level]
+    if kernel_levels.X86:
+        assert set(features) == want
+    report = nk.isa_report(lib)
+    assert report.startswith(f"level {level} ({' '.join(lib.arch_flags) or 'no -march'}; ")
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [f"native CPU kernels: {report}"]
+
+
+def test_a_report_names_the_instruction_sets():
+    assert kernel_levels.describe(list(kernel_levels.ISA_BITS)) == \
+        "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16"
+    assert kernel_levels.describe(["AVX2", "FMA", "F16C"]) == "AVX2, FMA, F16C"
+    assert kernel_levels.describe([]) == "plain C (no AVX2)"
