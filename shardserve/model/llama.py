@@ -310,15 +310,20 @@ class LlamaForCausalLM(nn.Module):
         before the LM head, which may share its table); with quantization="int8" the decoder
         layers' linear weights are quantized per output channel.
 
-        The layers finalize on a thread pool: their repacks and copies (numpy, single-threaded
-        each) release the GIL. A tied LM head takes the embedding's table, so it goes after."""
+        Pieces of a stacked linear that lie apart in the file are copied into one segment
+        only where every linear can be one, which the fused decode needs; else they stay
+        views of the file. The layers finalize on a thread pool: their repacks and copies
+        (numpy, single-threaded each) release the GIL. A tied LM head takes the embedding's
+        table, so it goes after."""
         embed, head = getattr(self.model, "embed_tokens", None), getattr(self, "lm_head", None)
         matmuls = [m for m in self.modules() if isinstance(m, MatmulLayer)]
+        join = all(len(m.quantized_types()) <= 1 for m in matmuls)
         last = [head] if head in matmuls and head.tied else []
         with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
-            list(pool.map(lambda m: m.finalize_quantized(), [m for m in matmuls if m not in last]))
+            list(pool.map(lambda m: m.finalize_quantized(join),
+                          [m for m in matmuls if m not in last]))
         for module in last:
-            module.finalize_quantized()
+            module.finalize_quantized(join)
         if self.quantization == "int8":
             for module in matmuls:
                 if module is not embed and module is not head:

@@ -87,15 +87,20 @@ class MatmulLayer(nn.Module):
         """Keep `piece` (this rank's rows of one stacked matrix) for finalize_quantized."""
         self.__dict__.setdefault("_qpieces", {})[row_offset] = piece
 
-    def finalize_quantized(self) -> None:
+    def quantized_types(self) -> set[int]:
+        """The ggml types of the pieces load_quantized holds (until finalize_quantized)."""
+        return {p.ggml_type for p in self.__dict__.get("_qpieces", {}).values()}
+
+    def finalize_quantized(self, join_apart: bool = True) -> None:
         """After loading: keep the weight quantized when every row arrived quantized and the
-        kernels run here; otherwise dequantize the quantized pieces into the dense weight."""
+        kernels run here (join_apart: see QuantWeight.from_pieces); otherwise dequantize the
+        quantized pieces into the dense weight."""
         pieces: dict[int, QuantizedTensor] = self.__dict__.pop("_qpieces", {})
         if not pieces:
             return
         rows = self.weight.shape[0]
         if sum(p.shape[0] for p in pieces.values()) == rows and quantization.available():
-            self._set_qweight(QuantWeight.from_pieces(pieces, rows))
+            self._set_qweight(QuantWeight.from_pieces(pieces, rows, join_apart))
             return
         for offset, piece in pieces.items():
             self.weight.data.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())

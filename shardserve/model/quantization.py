@@ -223,14 +223,16 @@ class QuantWeight:
     cols: int
 
     @classmethod
-    def from_pieces(cls, pieces: dict[int, QuantizedTensor], rows: int) -> QuantWeight:
+    def from_pieces(cls, pieces: dict[int, QuantizedTensor], rows: int,
+                    join_apart: bool = True) -> QuantWeight:
         """Pieces (first row -> rows) as segments, repacked where that computes faster.
 
         Pieces of one type that follow each other join into one segment where they lie back to
-        back in memory (a GGUF file's gate and up: a view, no copy) or, by a copy, where the
-        whole weight is then one segment (the fused decode and the single-segment call take
-        only that). A weight of several types (Q4_K_M's q/k/v) keeps its pieces apart: joining
-        some would copy them for neither.
+        back in memory (a view, no copy) or, with `join_apart`, by a copy where the whole
+        weight is then one segment: the fused decode takes only that (the model asks for it
+        where every layer can be one segment). Otherwise they stay apart, views of the file:
+        a weight of several types (Q4_K_M's q/k/v) would be several segments anyway, and
+        a second segment costs ~1-5% of that product at batch 1 (one more kernel call).
         """
         order = sorted(pieces.items())
         one_type = len({p.ggml_type for _, p in order}) == 1
@@ -238,7 +240,7 @@ class QuantWeight:
         for offset, piece in order:
             last = groups[-1][-1] if groups else None
             if last is not None and last[0] + last[1].shape[0] == offset and \
-                    (one_type or _back_to_back(last[1], piece)):
+                    ((one_type and join_apart) or _back_to_back(last[1], piece)):
                 groups[-1].append((offset, piece))
             else:
                 groups.append([(offset, piece)])

@@ -167,7 +167,7 @@ def test_int8_per_channel_quantization():
 def test_mixed_type_pieces_stay_apart_unless_back_to_back():
     """A Q4_K_M-style q/k/v (q, k Q4_K; v Q6_K): joining q and k would copy them and still
     leave two segments, so they stay as they are; rows back to back in one tensor join by a
-    view."""
+    view; pieces of one type apart join by a copy unless join_apart=False."""
     q_, k, v = (random_blocks(t, n, 256, seed=n) for t, n in ((12, 8), (12, 4), (14, 5)))
     want = torch.cat([reference(q_), reference(k), reference(v)])
     apart = q.QuantWeight.from_pieces({0: q_, 8: k, 12: v}, 17)
@@ -179,6 +179,11 @@ def test_mixed_type_pieces_stay_apart_unless_back_to_back():
                                         12: v}, 17)
     assert [off for off, _ in joined.segments] == [0, 12]
     assert joined.segments[0][1].data.data_ptr() == qk.data.data_ptr()
+    # One type but apart: copied into one segment unless the model declines (join_apart).
+    assert len(q.QuantWeight.from_pieces({0: q_, 8: k}, 12).segments) == 1
+    kept = q.QuantWeight.from_pieces({0: q_, 8: k}, 12, join_apart=False)
+    assert [seg.data.data_ptr() for _, seg in kept.segments] == \
+        [t.data.data_ptr() for t in (q_, k)]
     assert torch.equal(apart.dequantize(torch.float32), want)
     assert torch.equal(joined.dequantize(torch.float32),
                        torch.cat([reference(qk), reference(v)]))
