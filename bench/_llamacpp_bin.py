@@ -7,8 +7,9 @@ Per round, at `-t THREADS`:
     os.wait4: weights mapped or repacked, KV cache and compute buffers) is the side's RSS and
     peak (llama.cpp loads everything up front; shardserve's dense copies may come later);
   * `llama-batched-bench -npp NPP -ntg NTG -npl B1,B2,.. --output-format jsonl`: decode tok/s
-    per batch size (speed_tg = B x NTG / T_TG) and the load time from llama_perf_context_print
-    (model load to the end of its first, 16-token warm-up evaluation);
+    per batch size (speed_tg = B x NTG / T_TG); its spawn-to-exit time less the timed parts
+    (T_PP + T_TG of every B) is the load time: model load, context, a 16-token warm-up, exit
+    (with jsonl output it prints no llama_perf_context_print to read);
   * cold start: `llama-batched-bench -c 512 -npp 1 -ntg 1 -npl 1` from spawn to exit (load,
     warm-up, one prompt token and one generated token); shardserve's gets the same context.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 COLD_CTX = 512  # context of both sides' cold starts
-_LOAD_RE = re.compile(r"load time\s*=\s*([0-9.]+)\s*ms")
 
 
 def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, str, float, float]:
@@ -78,14 +77,15 @@ class LlamaBinSide:
             elif row["n_gen"] > 0 and row["n_prompt"] == 0:
                 result["tg"] = row["avg_ts"]
         ctx = max(self.batches) * (self.npp + self.ntg)
-        out, err, _, _ = run_child([
+        out, _, wall, _ = run_child([
             self._tool("llama-batched-bench"), "-m", self.model, "-c", str(ctx), "-b", "2048",
             "-ub", "512", "-npp", str(self.npp), "-ntg", str(self.ntg),
             "-npl", ",".join(map(str, self.batches)), "-t", t, "--output-format", "jsonl"])
+        timed = 0.0
         for row in _jsonl(out):
             result["decode"][str(row["pl"])] = row["speed_tg"]
-        loads = _LOAD_RE.findall(err)
-        result["load_s"] = float(loads[-1]) / 1000 if loads else float("nan")
+            timed += row["t_pp"] + row["t_tg"]
+        result["load_s"] = wall - timed
         return result
 
     def cold_start(self) -> float:

@@ -179,7 +179,11 @@ def run_real(args, sides_options: dict, side_env: dict, model: str) -> None:
               f"(../shared/bench/build_llama_cpp.sh DIR native|avx2)")
     bytes_per_token = weight_bytes_per_token(model)
     samples = Rounds()
-    for side in sides:  # warm-up: kernels built for this ISA, the file in the page cache
+    # Warm-up: torch's and the kernels' files in the page cache, the kernels built for this
+    # ISA, the model file read once.
+    import_torch_s()
+    read_bandwidth_gbs(args.threads)
+    for side in sides:
         if isinstance(side, ShardserveRealSide):
             side.cold_start()
     for r in range(args.rounds):
