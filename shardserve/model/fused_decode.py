@@ -2,11 +2,12 @@
 (csrc/decode_layers.c, whose header lists the per-layer sequence).
 
 Applies to steps whose rows are all decodes, fewer than `DENSE_MIN_ROWS` of them (the rows the
-integer kernels serve: larger batches take the dense kernels layer by layer), with one
+integer kernels serve: larger batches take the panel GEMM layer by layer), with one
 tensor-parallel rank (nothing to all-reduce between the products), the native kernels built,
-and every linear of every layer one quantized segment. The C side calls the same kernels the
-layer-by-layer path calls, in the same order, so the hidden states are bit-identical; what goes
-is ~2 ms of Python a step on the default model (SHARDSERVE_FUSED_DECODE=0 turns it off).
+and every linear of every layer quantized, in up to three row segments (a Q4_K_M file's q/k/v
+mixes Q4_K and Q6_K). The C side calls the same kernels the layer-by-layer path calls, segment
+by segment, in the same order, so the hidden states are bit-identical; what goes is ~2 ms of
+Python a step on the default model (SHARDSERVE_FUSED_DECODE=0 turns it off).
 
 The layer table (weight pointers, row strides, types) is built once per loaded model; the KV
 cache pointers are refreshed whenever the caches handed in change.
@@ -34,8 +35,15 @@ _i64, _ptr, _f32, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-class _Matrix(ctypes.Structure):
+class _Segment(ctypes.Structure):
     _fields_ = [("w", _ptr), ("row_bytes", _i64), ("rows", _i64), ("type", _i64)]
+
+
+_MAX_SEGMENTS = 3  # decode_layers.c's DL_MAX_SEGMENTS
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("seg", _Segment * _MAX_SEGMENTS), ("nseg", _i64), ("rows", _i64)]
 
 
 class _Lora(ctypes.Structure):
@@ -61,13 +69,22 @@ class _Step(ctypes.Structure):
 
 
 def _matrix(layer: MatmulLayer) -> _Matrix | None:
-    """The kernel arguments of a one-segment quantized weight; None for anything else."""
+    """The kernel arguments of a quantized weight (its row segments in order, a Q4_K_M file's
+    mixed q/k/v too); None for anything else."""
     qweight = layer.qweight
-    single = None if qweight is None else qweight._single  # type: ignore[attr-defined]
-    if single is None:
+    if qweight is None or len(qweight.segments) > _MAX_SEGMENTS:
         return None
-    ptr, row_bytes, ggml_type, rows, _ = single
-    return _Matrix(ptr, row_bytes, rows, ggml_type)
+    segs, row = [], 0
+    for offset, seg in qweight.segments:
+        if offset != row:
+            return None
+        segs.append(_Segment(seg.data.data_ptr(), seg.data.stride(0), seg.shape[0],
+                             seg.ggml_type))
+        row += seg.shape[0]
+    matrix = _Matrix(nseg=len(segs), rows=qweight.rows)
+    for i, seg in enumerate(segs):
+        matrix.seg[i] = seg
+    return matrix
 
 
 def _lora(layer: MatmulLayer) -> _Lora | None:

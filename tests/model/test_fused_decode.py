@@ -14,6 +14,7 @@ from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, read_arch
+from shardserve.model.quantization import QuantizedTensor, QuantWeight, quantize_int8
 from tests.model.test_llama import PagedRunner
 
 pytestmark = pytest.mark.skipif(not native_kernels.compiler_available(), reason="no C compiler")
@@ -92,6 +93,34 @@ def test_lora_adapters_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dtype) -
                         lora_slots=dict.fromkeys(slots, -1))
     adapted, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size, lora_slots=slots)
     assert not torch.equal(base[0], adapted[0])
+
+
+def _q4_0(w: torch.Tensor) -> QuantizedTensor:
+    """Q4_0 blocks of a float weight: d = max|w| / 8 per 32 values, q = round(w / d) + 8."""
+    rows, cols = w.shape
+    blocks = w.float().reshape(rows, cols // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 8).clamp_min(1e-8).half()
+    q = (blocks / d.float()).round().add(8).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    data = torch.cat([d.view(torch.uint8), packed], dim=-1).reshape(rows, -1).contiguous()
+    return QuantizedTensor(data, 2, cols)
+
+
+def test_mixed_type_segments_bit_identical(tiny_qwen2_dir: Path) -> None:
+    """q/k/v in segments of two types, as a Q4_K_M file's Q4_K q/k beside a Q6_K v: the fused
+    path takes the weight segment by segment, bit-identical to the layer-by-layer path."""
+    model = load(tiny_qwen2_dir, torch.float32, "int8")
+    for layer in model.model.layers:
+        attn, qkv = layer.self_attn, layer.self_attn.qkv_proj
+        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        assert qkv.qweight is not None
+        whole = qkv.qweight.dequantize(torch.float32)
+        pieces = {0: _q4_0(whole[:q_rows + kv_rows]),
+                  q_rows + kv_rows: quantize_int8(whole[q_rows + kv_rows:])}
+        qkv.qweight = QuantWeight.from_pieces(pieces, q_rows + 2 * kv_rows)
+        assert len(qkv.qweight.segments) == 2
+    model.model.reset_fused()
+    assert_identical(model, model.arch.vocab_size)
 
 
 def test_not_built_where_it_does_not_apply(tiny_llama_dir: Path, monkeypatch) -> None:

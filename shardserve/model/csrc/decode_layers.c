@@ -31,12 +31,20 @@
 
 #include "kernels_common.h"
 
-/* One quantized weight: `rows` rows of ggml `type` blocks, row_bytes apart. */
+/* One quantized weight: row ranges (segments) one after another, each `rows` rows of ggml
+ * `type` blocks, row_bytes apart. Several where a fused weight's pieces differ in type (a
+ * Q4_K_M file's q/k in Q4_K beside a Q6_K v) or lie apart in the file. */
+#define DL_MAX_SEGMENTS 3
 typedef struct {
     const uint8_t *w;
     int64_t row_bytes;
     int64_t rows;
     int64_t type;
+} dl_segment_t;
+
+typedef struct {
+    dl_segment_t seg[DL_MAX_SEGMENTS];
+    int64_t nseg, rows;
 } dl_matrix_t;
 
 /* One weight's adapter slots (lora_kernels.c's at, bt and segments); at == NULL: not adapted. */
@@ -76,6 +84,22 @@ static int add_lora(const dl_lora_t *l, const dl_step_t *s, void *out, int64_t N
                     l->slots, l->rank, K, N, l->seg_ends, l->nseg, s->num_threads);
 }
 
+/* out [B, m->rows] (row stride out_stride) = x [B, K] @ W^T, segment by segment. */
+static int matmul(const dl_matrix_t *m, const dl_step_t *s, void *out, int64_t out_stride,
+                  const void *x, int64_t K) {
+    const size_t es = s->dtype == 0 ? 4 : 2;
+    int64_t row = 0;
+    for (int64_t i = 0; i < m->nseg; i++) {
+        const dl_segment_t *g = m->seg + i;
+        const int rc = quant_matmul((char *)out + (size_t)row * es, out_stride, s->dtype, x, K,
+                                    s->dtype, g->w, g->row_bytes, (int)g->type, s->B, g->rows, K,
+                                    s->num_threads);
+        if (rc) return rc;
+        row += g->rows;
+    }
+    return 0;
+}
+
 static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
     const int64_t B = s->B, D = s->head_dim, qkv_n = L->qkv.rows;
     const size_t es = s->dtype == 0 ? 4 : 2;
@@ -89,8 +113,7 @@ static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
                       dt, thr);
     }
     if (rc) return rc;
-    rc = quant_matmul(s->qkv, qkv_n, dt, s->h, s->hidden, dt, L->qkv.w, L->qkv.row_bytes,
-                      (int)L->qkv.type, B, qkv_n, s->hidden, thr);
+    rc = matmul(&L->qkv, s, s->qkv, qkv_n, s->h, s->hidden);
     if (rc) return rc;
     if (L->qkv_bias) add_bias(s->qkv, L->qkv_bias, B, qkv_n, dt);
     if ((rc = add_lora(&L->lora_qkv, s, s->qkv, qkv_n, s->h, s->hidden))) return rc;
@@ -102,8 +125,7 @@ static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
                           s->bt_stride, s->seq_lens, B, s->heads, s->kv_heads, D, s->block_size,
                           s->scale, dt, thr);
     if (rc) return rc;
-    rc = quant_matmul(s->x, s->hidden, dt, s->attn, s->heads * D, dt, L->o.w, L->o.row_bytes,
-                      (int)L->o.type, B, s->hidden, s->heads * D, thr);
+    rc = matmul(&L->o, s, s->x, s->hidden, s->attn, s->heads * D);
     return rc ? rc : add_lora(&L->lora_o, s, s->x, s->hidden, s->attn, s->heads * D);
 }
 
@@ -113,12 +135,10 @@ static int mlp_half(const dl_layer_t *L, const dl_step_t *s) {
     int rc = rms_norm(s->h, s->x, s->hidden, s->residual, L->post_norm, B, s->hidden, s->eps, dt,
                       thr);
     if (rc) return rc;
-    rc = quant_matmul(s->gate_up, 2 * I, dt, s->h, s->hidden, dt, L->gate_up.w,
-                      L->gate_up.row_bytes, (int)L->gate_up.type, B, 2 * I, s->hidden, thr);
+    rc = matmul(&L->gate_up, s, s->gate_up, 2 * I, s->h, s->hidden);
     if (rc || (rc = add_lora(&L->lora_gate_up, s, s->gate_up, 2 * I, s->h, s->hidden))) return rc;
     silu_mul(s->act, s->gate_up, B, I, dt, thr);
-    rc = quant_matmul(s->x, s->hidden, dt, s->act, I, dt, L->down.w, L->down.row_bytes,
-                      (int)L->down.type, B, s->hidden, I, thr);
+    rc = matmul(&L->down, s, s->x, s->hidden, s->act, I);
     return rc ? rc : add_lora(&L->lora_down, s, s->x, s->hidden, s->act, I);
 }
 
