@@ -16,7 +16,7 @@ from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.executor.abstract import Executor
 from shardserve.executor.external_launcher import ExternalLauncherExecutor
 from shardserve.lora.request import LoRARequest
-from tests.conftest import our_segments
+from tests.conftest import TP3, our_segments
 from tests.executor.lora_cases import tiny_adapter, uni_lora_tokens
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello, world! How are"]
@@ -53,24 +53,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
-# Sync scheduling with stages is not run under torchrun (the suite's time): it is the same
-# scheduler and pipeline code as mp's test_pipeline.py::test_tp2_pp2_equals_uni[sync].
-@pytest.mark.parametrize(
-    ("tp", "pp", "async_on"),
-    [(2, 1, True), (1, 2, True), (2, 2, True)],
-    ids=["tp2", "pp2-async", "tp2xpp2"],
-)
-def test_torchrun_ranks_equal_uni(tiny_llama_dir, tmp_path, tp, pp, async_on) -> None:
-    """With TP=2 also a LoRA adapter: every rank's engine loads it on its own worker, the
-    ranks' lists are gathered and agree, and the outputs through it equal uni's."""
+def test_torchrun_tp2_pp2_ranks_equal_uni(tiny_llama_dir, tmp_path) -> None:
+    """TP=2 x PP=2 (four ranks, async scheduling): each rank builds its TP group inside its
+    stage and its PP group across them from the launcher's RANK, and a LoRA adapter is loaded
+    by every rank's engine on its own worker (TP shards, each stage its layer); the ranks'
+    lists are gathered and agree, and the outputs with and without it equal uni's.
+
+    TP=2 alone and PP=2 alone under torchrun were cases of their own: both groups form here
+    (the group lists themselves: tests/distributed/test_rank_layout.py), PP=2 without TP with
+    sync scheduling is test_torchrun_speculative_decoding_equals_uni, and sync scheduling with
+    stages is the same scheduler and pipeline code as mp's test_pipeline.py::
+    test_tp2_pp2_equals_uni[sync]."""
     before = our_segments()
     want = _uni(tiny_llama_dir, PROMPTS)
-    lora = tiny_adapter(tiny_llama_dir, tmp_path / "adapter") if (tp, pp) == (2, 1) else None
-    got = _torchrun(tiny_llama_dir, tmp_path, PROMPTS, tp, pp, async_on, lora=lora)
+    lora = tiny_adapter(tiny_llama_dir, tmp_path / "adapter")
+    got = _torchrun(tiny_llama_dir, tmp_path, PROMPTS, 2, 2, True, lora=lora)
     assert all(tokens == want for tokens, _, _ in got), (got, want)
-    if lora is not None:
-        want_lora = uni_lora_tokens(tiny_llama_dir, lora, PROMPTS, PARAMS)
-        assert all(adapter == [want_lora, [1], []] for _, _, adapter in got), got
+    want_lora = uni_lora_tokens(tiny_llama_dir, lora, PROMPTS, PARAMS)
+    assert all(adapter == [want_lora, [1], []] for _, _, adapter in got), got
     assert our_segments() == before
 
 
@@ -119,23 +119,31 @@ def _torchrun(model, tmp_path, prompts: list, tp: int, pp: int, async_on: bool,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "extra", "async_on"), [
-    (1, {"prefill_context_parallel_size": 2}, True),
-    (3, {"decode_context_parallel_size": 3}, False)], ids=["pcp2-async", "tp3-dcp3-sync"])
-def test_torchrun_context_parallel_matches_hf(default_model_path, hf_default_greedy, tmp_path,
-                                              tp, extra, async_on) -> None:
-    """The default model, float32 greedy on the HF oracle's prompts: every rank's engine
-    returns HF's tokens."""
+def test_torchrun_prefill_context_parallel_matches_hf(default_model_path, hf_default_greedy,
+                                                      tmp_path) -> None:
+    """PCP=2 with async scheduling on the default model, float32 greedy on the HF oracle's
+    prompts: every rank's engine returns HF's tokens."""
     from shardserve.model.tokenizer import load_tokenizer_from
     from tests.entrypoints.pp_oracle import oracle_prompt_ids
 
     ids = oracle_prompt_ids(load_tokenizer_from(default_model_path))
     prompts = [{"prompt_token_ids": p} for p in ids]
     greedy = SamplingParams(max_tokens=32, temperature=0)
-    nproc = tp * extra.get("prefill_context_parallel_size", 1)
-    got = _torchrun(default_model_path, tmp_path, prompts, tp, 1, async_on, extra,
-                    params=greedy, nproc=nproc)
+    got = _torchrun(default_model_path, tmp_path, prompts, 1, 1, True,
+                    {"prefill_context_parallel_size": 2}, params=greedy, nproc=2)
     want = [hf_default_greedy(p, 32) for p in ids]
+    assert all(tokens == want for tokens, _, _ in got), (got, want)
+
+
+def test_torchrun_decode_context_parallel_equals_uni(tmp_path, tiny_model_builder) -> None:
+    """TP=3 x DCP=3 with sync scheduling (the KV cache sharded by position over the three TP
+    ranks, one KV head each) on the tiny TP3-shape model: every rank returns uni's greedy and
+    seeded random tokens. (The default model against HF at TP=3 x DCP=3: mp's
+    test_context_parallel_mp.py and Ray's test_ray.py; under torchrun it took three default-
+    model ranks for what the launcher does the same at any model size.)"""
+    model = tiny_model_builder("LlamaForCausalLM", tmp_path / "tp3", **TP3)
+    want = _uni(model, PROMPTS)
+    got = _torchrun(model, tmp_path, PROMPTS, 3, 1, False, {"decode_context_parallel_size": 3})
     assert all(tokens == want for tokens, _, _ in got), (got, want)
 
 
