@@ -27,8 +27,7 @@ from pp_oracle import assert_matches_hf  # noqa: E402
 LAYOUTS = {
     "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
     "pcp2": dict(prefill_context_parallel_size=2),
-    "pcp3": dict(prefill_context_parallel_size=3),
-    "pcp2-pp2": dict(prefill_context_parallel_size=2, pipeline_parallel_size=2),
+        "pcp2-pp2": dict(prefill_context_parallel_size=2, pipeline_parallel_size=2),
     "pcp2-dcp2": dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
 }
 
@@ -42,10 +41,11 @@ def _collective_paths(worker) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "async_on"),
-                         [("tp3-dcp3", True), ("pcp3", True), ("pcp2-pp2", True)],
-                         ids=["tp3-dcp3-async", "pcp3-async", "pcp2-pp2-async"])
+                         [("tp3-dcp3", True), ("pcp2-pp2", True)],
+                         ids=["tp3-dcp3-async", "pcp2-pp2-async"])
 # PCP=2 (sync) on these 8 prompts beside a 2,000-token one, and PCP=2 x DCP=2:
-# test_context_parallel_chunked.py
+# test_context_parallel_chunked.py; PCP=3 (three shards) on the tiny model against HF:
+# test_tiny_model_context_shards_match_hf[pcp3] below.
 def test_default_model_matches_hf(hf_default_greedy, layout, async_on):
     llm = LLM(dtype="float32", max_model_len=512, distributed_executor_backend="mp",
               async_scheduling=async_on, **LAYOUTS[layout])  # fmt: skip
@@ -59,21 +59,25 @@ def test_default_model_matches_hf(hf_default_greedy, layout, async_on):
         llm.shutdown()
 
 
-def test_tp3_pcp2_matches_hf(tp3_model):
-    """Six ranks (PCP=2 x TP=3) on the tiny TP3-shape model (the default model at six ranks is
-    too slow for the suite), prompts long enough to split: HF transformers' greedy tokens."""
+@pytest.mark.parametrize(("tp", "pcp"), [(3, 2), (1, 3)], ids=["tp3-pcp2", "pcp3"])
+def test_tiny_model_context_shards_match_hf(tp3_model, tp, pcp):
+    """Six ranks (PCP=2 x TP=3), and a prompt split three ways (PCP=3), on the tiny TP3-shape
+    model (the default model at six ranks is too slow for the suite; PCP=3 on it took three
+    default-model ranks for the split that PCP=2 checks there), prompts long enough to split:
+    HF transformers' greedy tokens."""
     import transformers
 
     from tests.hf_oracle import argmax_greedy
 
     llm = LLM(str(tp3_model), dtype="float32", max_model_len=128, seed=0,
-              tensor_parallel_size=3, prefill_context_parallel_size=2,
+              tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
               distributed_executor_backend="mp")  # fmt: skip
     try:
         ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
         hf = transformers.AutoModelForCausalLM.from_pretrained(tp3_model).eval()
         assert greedy_tokens(llm) == argmax_greedy(hf, ids, 24)
         paths = llm.collective_rpc(_collective_paths)
+        assert len(paths) == tp * pcp
         assert all(p["pcp"][0] > 0 for p in paths), paths  # the prompts were really split
     finally:
         llm.shutdown()
