@@ -15,8 +15,9 @@
  *   threads split the N output columns into tiles of NT weight rows (a tile per task):
  *   for each tile:                          out tile [B, NT] accumulated in float (otile)
  *     for each chunk of KC columns of K:    panel [NT, KC] = decoded W rows (quant_decode_chunk)
- *       for b in steps of MR, n in steps of NC:
- *         acc[MR][NC] vectors += x[b.., k] * panel[n.., k] over the chunk; otile += hsum(acc)
+ *       for n in steps of NC:               NC panel rows stay in L1 ...
+ *         for b in steps of MR:             ... while the rows of x stream past them
+ *           acc[MR][NC] vectors += x[b.., k] * panel[n.., k] over the chunk; otile += hsum(acc)
  *     out tile = otile (float32 or bfloat16)
  *
  * Vectors are GCC vector extensions of the build's width (16 floats with AVX-512, 8 with AVX2,
@@ -32,16 +33,24 @@
 
 #if defined(__AVX512F__)
 #define VL 16
-#define MR 4
-#define NC 4
+#define MR_DEFAULT 4
+#define NC_DEFAULT 4
 #elif defined(__AVX__)
 #define VL 8
-#define MR 3
-#define NC 3
+#define MR_DEFAULT 3
+#define NC_DEFAULT 3
 #else
 #define VL 4
-#define MR 2
-#define NC 3
+#define MR_DEFAULT 2
+#define NC_DEFAULT 3
+#endif
+/* A micro-kernel's rows of x (MR) and panel rows (NC): MR x NC accumulators, NC weight vectors
+ * and one of x in registers; each x vector loaded (from L2) serves NC FMAs. */
+#ifndef MR
+#define MR MR_DEFAULT
+#endif
+#ifndef NC
+#define NC NC_DEFAULT
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
@@ -53,8 +62,15 @@ typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligne
 #define KC 1024
 #endif
 #define KC_BF16 (2 * KC)
+/* A panel row's stride: one cache line past the chunk, so that the NC rows a micro-kernel
+ * streams (4 KB apart otherwise) do not all map to the same L1 sets. */
+#ifndef PAD
+#define PAD 16
+#endif
+#define PS (KC + PAD)
+#define PS_BF16 (KC_BF16 + 2 * PAD)
 /* Weight rows per panel. */
-#define NT (4 * NC)
+#define NT (NC > 4 ? 2 * NC : 4 * NC)
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define GEMM_PARALLEL_MIN (256 * 1024)
 
@@ -84,7 +100,7 @@ ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float
         for (int c = 0; c < nc; c++) acc[r][c] = (vf){0};
     for (int64_t k = 0; k < kc; k += VL) {
         vf w[NC];
-        for (int c = 0; c < nc; c++) w[c] = *(const vf_u *)(p + c * KC + k);
+        for (int c = 0; c < nc; c++) w[c] = *(const vf_u *)(p + c * PS + k);
         for (int r = 0; r < mr; r++) {
             const vf xv = *(const vf_u *)(x + r * xs + k);
             for (int c = 0; c < nc; c++) acc[r][c] += xv * w[c];
@@ -94,26 +110,29 @@ ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float
         for (int c = 0; c < nc; c++) otile[r * NT + c] += hsum(acc[r][c]);
 }
 
-#define MICRO_NC(MRV)                                                                      \
+#define MICRO_NC(F, MRV)                                                                   \
     switch (nc) {                                                                          \
-    case 1: micro(MRV, 1, x, xs, p, kc, otile); break;                                     \
-    case 2: micro(MRV, 2, x, xs, p, kc, otile); break;                                     \
-    case 3: micro(MRV, 3, x, xs, p, kc, otile); break;                                     \
-    default: micro(MRV, NC, x, xs, p, kc, otile); break;                                   \
+    case 1: F(MRV, 1, x, xs, p, kc, otile); break;                                         \
+    case 2: F(MRV, 2, x, xs, p, kc, otile); break;                                         \
+    case 3: F(MRV, 3 < NC ? 3 : NC, x, xs, p, kc, otile); break;                           \
+    case 4: F(MRV, 4 < NC ? 4 : NC, x, xs, p, kc, otile); break;                           \
+    case 5: F(MRV, 5 < NC ? 5 : NC, x, xs, p, kc, otile); break;                           \
+    case 6: F(MRV, 6 < NC ? 6 : NC, x, xs, p, kc, otile); break;                           \
+    case 7: F(MRV, 7 < NC ? 7 : NC, x, xs, p, kc, otile); break;                           \
+    default: F(MRV, NC, x, xs, p, kc, otile); break;                                       \
+    }
+
+#define MICRO_MR(F)                                                                        \
+    switch (mr) {                                                                          \
+    case 1: MICRO_NC(F, 1) break;                                                          \
+    case 2: MICRO_NC(F, 2 < MR ? 2 : MR) break;                                            \
+    case 3: MICRO_NC(F, 3 < MR ? 3 : MR) break;                                            \
+    default: MICRO_NC(F, MR) break;                                                        \
     }
 
 static void micro_any(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
                       float *otile) {
-    switch (mr) {
-    case 1: MICRO_NC(1) break;
-#if MR > 2
-    case 2: MICRO_NC(2) break;
-#endif
-#if MR > 3
-    case 3: MICRO_NC(3) break;
-#endif
-    default: MICRO_NC(MR) break;
-    }
+    MICRO_MR(micro)
 }
 
 /* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x. */
@@ -123,12 +142,12 @@ static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const float
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * KC, DT_F32);
+            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * PS, DT_F32);
         for (int64_t c = 0; c < nt; c += NC) {
             const int nc = (int)(nt - c < NC ? nt - c : NC);
             for (int64_t b = 0; b < B; b += MR) {
                 const int mr = (int)(B - b < MR ? B - b : MR);
-                micro_any(mr, nc, x + b * xs + k0, xs, panel + c * KC, kc, otile + b * NT + c);
+                micro_any(mr, nc, x + b * xs + k0, xs, panel + c * PS, kc, otile + b * NT + c);
             }
         }
     }
@@ -149,7 +168,7 @@ ALWAYS_INLINE void micro_bf16(int mr, int nc, const uint16_t *x, int64_t xs, con
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; k += 32) {
         __m512bh w[NC];
-        for (int c = 0; c < nc; c++) w[c] = (__m512bh)_mm512_loadu_si512(p + c * KC_BF16 + k);
+        for (int c = 0; c < nc; c++) w[c] = (__m512bh)_mm512_loadu_si512(p + c * PS_BF16 + k);
         for (int r = 0; r < mr; r++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * xs + k);
             for (int c = 0; c < nc; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
@@ -159,22 +178,9 @@ ALWAYS_INLINE void micro_bf16(int mr, int nc, const uint16_t *x, int64_t xs, con
         for (int c = 0; c < nc; c++) otile[r * NT + c] += _mm512_reduce_add_ps(acc[r][c]);
 }
 
-#define MICRO_BF16_NC(MRV)                                                                 \
-    switch (nc) {                                                                          \
-    case 1: micro_bf16(MRV, 1, x, xs, p, kc, otile); break;                                \
-    case 2: micro_bf16(MRV, 2, x, xs, p, kc, otile); break;                                \
-    case 3: micro_bf16(MRV, 3, x, xs, p, kc, otile); break;                                \
-    default: micro_bf16(MRV, NC, x, xs, p, kc, otile); break;                              \
-    }
-
 static void micro_bf16_any(int mr, int nc, const uint16_t *x, int64_t xs, const uint16_t *p,
                            int64_t kc, float *otile) {
-    switch (mr) {
-    case 1: MICRO_BF16_NC(1) break;
-    case 2: MICRO_BF16_NC(2) break;
-    case 3: MICRO_BF16_NC(3) break;
-    default: MICRO_BF16_NC(MR) break;
-    }
+    MICRO_MR(micro_bf16)
 }
 
 static void gemm_tile_bf16(const uint8_t *w, int64_t row_bytes, int type, const uint16_t *x,
@@ -184,12 +190,12 @@ static void gemm_tile_bf16(const uint8_t *w, int64_t row_bytes, int type, const 
     for (int64_t k0 = 0; k0 < K; k0 += KC_BF16) {
         const int64_t kc = K - k0 < KC_BF16 ? K - k0 : KC_BF16;
         for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * KC_BF16, DT_BF16);
+            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * PS_BF16, DT_BF16);
         for (int64_t c = 0; c < nt; c += NC) {
             const int nc = (int)(nt - c < NC ? nt - c : NC);
             for (int64_t b = 0; b < B; b += MR) {
                 const int mr = (int)(B - b < MR ? B - b : MR);
-                micro_bf16_any(mr, nc, x + b * xs + k0, xs, panel + c * KC_BF16, kc,
+                micro_bf16_any(mr, nc, x + b * xs + k0, xs, panel + c * PS_BF16, kc,
                                otile + b * NT + c);
             }
         }
@@ -251,7 +257,7 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        void *panel = malloc(sizeof(float) * (size_t)(NT * KC));
+        void *panel = malloc(sizeof(float) * (size_t)(NT * PS));
         float *otile = malloc(sizeof(float) * (size_t)(B * NT));
         /* Every thread enters the loop (a worksharing loop skipped by one would hang the
          * others at its barrier); one without scratch only records the failure. */
