@@ -1,5 +1,6 @@
-"""Executor tests: the exit-status fix for Ray, and models shared by the PP tests (the
-no_leftovers fixture, for fault tests, is in tests/conftest.py)."""
+"""Executor tests: the exit-status fix for Ray, models shared by the PP tests and the
+multi-node tests' environment (the no_leftovers fixture, for fault tests, is in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,12 @@ def pp_uni_results(four_layer_model):
         return tokens, stop_text, run_cases(llm, tokens, stop_text)
     finally:
         llm.shutdown()
+
+
+@pytest.fixture()
+def cluster_env(monkeypatch) -> dict[str, str]:
+    """The multi-node tests' environment (multinode_helpers.cluster_environment): set in this
+    process for node 0, and returned for node 1's command."""
+    from multinode_helpers import cluster_environment
+
+    return cluster_environment(monkeypatch)

@@ -1,7 +1,7 @@
 """Multi-node replica recovery on loopback (issue 27, "a server that heals", point 7): a lost
 headless node is a dead replica like any other. Node 0 is `shardserve serve` (or this test
 process's LLM), node 1 is `shardserve serve --headless` in a process tree of its own (as in
-test_multinode.py).
+test_multinode.py, with multinode_helpers.py).
 
     (a) node 1's agent and workers SIGKILLed under a streamed request: the server restarts the
         replica, whose engine core waits for a new agent; the request completes with the text
@@ -31,9 +31,7 @@ from tests.sync_helpers import HANG_S, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "server"))
-from server_helpers import Server, shm_segments  # noqa: E402
-from test_multinode import (  # noqa: E402
-    SECRET,
+from multinode_helpers import (  # noqa: E402
     Headless,
     _pid,  # node 1's workers unpickle it from there
     free_port,
@@ -42,6 +40,7 @@ from test_multinode import (  # noqa: E402
     node_0_script,
     two_nodes,
 )
+from server_helpers import Server, shm_segments  # noqa: E402
 from test_server_recovery import BODY, Stream, complete  # noqa: E402
 
 TP2 = ["--tensor-parallel-size", "2"]
@@ -51,31 +50,20 @@ RESTART = ["--engine-restart-timeout", "40"]
 AGENT = [*TP2, "--max-model-len", "512", "--worker-start-timeout-s", "40"]
 
 
-@pytest.fixture()
-def node_env(monkeypatch) -> dict[str, str]:
-    """test_multinode.py's cluster_env: the secret, one thread a process (two "machines" share
-    2 cores), and this folder on node 1's path (its workers unpickle test_multinode._pid)."""
-    monkeypatch.setenv("SHARDSERVE_CLUSTER_SECRET", SECRET)
-    monkeypatch.setenv("SHARDSERVE_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
-        str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
-    return {**os.environ}
-
-
 def _node0_pids(server: Server) -> set[int]:
     return {server.proc.pid, *(p.pid for p in server.observe())}
 
 
 def test_lost_node_is_restarted_with_a_new_agent_and_the_stream_completes(
-        tiny_llama_dir, node_env, tmp_path, no_leftovers):
+        tiny_llama_dir, cluster_env, tmp_path, no_leftovers):
     port = free_port()
-    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=node_env)
+    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=cluster_env)
     server = node1b = None
     try:
         server = Server(tiny_llama_dir, ["--dtype", "float32", "--max-model-len", "512",
                                          "--nnodes", "2", "--master-port", str(port), *TP2,
                                          *RESTART], tmp_path / "server.log", api_key=None,
-                        env=node_env)
+                        env=cluster_env)
         body = {**BODY, "max_tokens": 120}
         reference = complete(server, body)
         core = server.engine_process()
@@ -90,7 +78,7 @@ def test_lost_node_is_restarted_with_a_new_agent_and_the_stream_completes(
         finally:
             core.resume()
         # The operator (or a supervisor) starts node 1's agent again, with the same command.
-        node1b = Headless(port, str(tiny_llama_dir), *AGENT, env=node_env)
+        node1b = Headless(port, str(tiny_llama_dir), *AGENT, env=cluster_env)
         stream.join(HANG_S)
         healed_in = time.monotonic() - killed_at
         assert stream.failure is None and not stream.errors, (stream.failure, stream.errors)
@@ -120,19 +108,19 @@ def test_lost_node_is_restarted_with_a_new_agent_and_the_stream_completes(
 
 
 def test_a_lost_node_that_does_not_come_back_fails_the_restart_in_its_bound(
-        tiny_llama_dir, node_env, tmp_path, no_leftovers):
+        tiny_llama_dir, cluster_env, tmp_path, no_leftovers):
     """No new agent: the restarted engine core waits for node 1 within the restart's bound
     (--engine-restart-timeout 8: 4 s for the node), fails naming the command that starts it,
     and with the restart bound reached the server fails as without recovery."""
     port = free_port()
-    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=node_env)
+    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=cluster_env)
     server = None
     try:
         server = Server(tiny_llama_dir, ["--dtype", "float32", "--max-model-len", "512",
                                          "--nnodes", "2", "--master-port", str(port), *TP2,
                                          "--engine-restart-timeout", "8",
                                          "--max-engine-restarts", "1"],
-                        tmp_path / "server.log", api_key=None, env=node_env)
+                        tmp_path / "server.log", api_key=None, env=cluster_env)
         stream = Stream(server, {**BODY, "max_tokens": 120})
         wait_until(lambda: stream.events >= 2 or not stream.is_alive(), "the stream to begin")
         core = server.engine_process()
@@ -165,9 +153,9 @@ def test_a_lost_node_that_does_not_come_back_fails_the_restart_in_its_bound(
 
 
 def test_the_agent_serves_the_replica_restarted_after_a_worker_death_on_node_0(
-        tiny_llama_dir, node_env, no_leftovers):
+        tiny_llama_dir, cluster_env, no_leftovers):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    with two_nodes(tiny_llama_dir, node_env, AGENT, max_model_len=512,
+    with two_nodes(tiny_llama_dir, cluster_env, AGENT, max_model_len=512,
                    tensor_parallel_size=2, max_engine_restarts=1,
                    engine_restart_timeout_s=40) as (llm, node1):
         prompts = ["hello world", "The quick brown fox"]
@@ -187,12 +175,12 @@ def test_the_agent_serves_the_replica_restarted_after_a_worker_death_on_node_0(
     # (two_nodes: the final shutdown ends the agent with status 0)
 
 
-def test_without_restarts_the_agent_exits_with_the_replica(tiny_llama_dir, node_env,
+def test_without_restarts_the_agent_exits_with_the_replica(tiny_llama_dir, cluster_env,
                                                            no_leftovers):
     """LLM's default (no restarts): a worker death on node 0 ends node 1's agent as before."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     port = free_port()
-    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=node_env)
+    node1 = Headless(port, str(tiny_llama_dir), *AGENT, env=cluster_env)
     try:
         llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=512,
                   tensor_parallel_size=2, nnodes=2, master_port=port,
@@ -234,19 +222,19 @@ def _listening(port: int) -> bool:
         return False
 
 
-def test_node_0_gone_for_good_ends_the_agent_after_its_bounded_wait(tiny_llama_dir, node_env,
+def test_node_0_gone_for_good_ends_the_agent_after_its_bounded_wait(tiny_llama_dir, cluster_env,
                                                                     tmp_path):
     """Node 0 restarts replicas, and is SIGKILLed: the agent cannot tell that from a replica
     that died, so it waits for a restart, at most its --worker-start-timeout-s, then exits 1
     (leaving nothing behind)."""
     segments_before = set(our_segments())
     port = free_port()
-    node0 = node_0_script(NODE0_RESTARTS, tmp_path, tiny_llama_dir, port, node_env)
+    node0 = node_0_script(NODE0_RESTARTS, tmp_path, tiny_llama_dir, port, cluster_env)
     node1 = None
     try:
         wait_until(lambda: _listening(port) or node0.poll() is not None, "node 0 to listen")
         node1 = Headless(port, str(tiny_llama_dir), *TP2, "--max-model-len", "128",
-                         "--worker-start-timeout-s", "4", env=node_env)
+                         "--worker-start-timeout-s", "4", env=cluster_env)
         assert "STARTED" in line_with(node0, "STARTED", HANG_S)
         time.sleep(0.5)
         node1.tree()
