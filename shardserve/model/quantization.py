@@ -168,32 +168,27 @@ def _check(rc: int, what: str) -> None:
 def matmul_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     """out[:, :] = x @ W.T for x [B, K] (float32 or bfloat16, unit column stride) and a
     quantized W [N, K]; out is a [B, N] view with unit column stride (a column range of a
-    wider output is fine)."""
-    b, k = x.shape
-    if k != w.cols or out.shape != (b, w.shape[0]) or x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError(f"quantized matmul shapes: x {tuple(x.shape)}, W {w.shape}, "
-                         f"out {tuple(out.shape)}")
-    rc = native_kernels.lib().quant_matmul(
-        out.data_ptr(), out.stride(0), _OUT_DTYPES[out.dtype], x.data_ptr(), x.stride(0),
-        _OUT_DTYPES[x.dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type, b,
-        w.shape[0], k, _threads(),
-    )
-    _check(rc, f"quant_matmul ({w.type_name})")
+    wider output is fine). The integer kernel: x quantized to int16, for 1-3 rows."""
+    _product("quant_matmul", out, x, w)
 
 
 def gemm_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     """out = x @ W.T as matmul_into, for many rows of x: the weight decoded panel by panel to
     float32 and reused by every row (csrc/quant_gemm.c), no dense copy kept."""
+    _product("quant_gemm", out, x, w)
+
+
+def _product(kernel: str, out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     b, k = x.shape
     if k != w.cols or out.shape != (b, w.shape[0]) or x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError(f"quantized gemm shapes: x {tuple(x.shape)}, W {w.shape}, "
+        raise ValueError(f"{kernel} shapes: x {tuple(x.shape)}, W {w.shape}, "
                          f"out {tuple(out.shape)}")
-    rc = native_kernels.lib().quant_gemm(
+    rc = getattr(native_kernels.lib(), kernel)(
         out.data_ptr(), out.stride(0), _OUT_DTYPES[out.dtype], x.data_ptr(), x.stride(0),
         _OUT_DTYPES[x.dtype], w.data.data_ptr(), w.data.stride(0), w.ggml_type, b,
         w.shape[0], k, _threads(),
     )
-    _check(rc, f"quant_gemm ({w.type_name})")
+    _check(rc, f"{kernel} ({w.type_name})")
 
 
 def dequantize_rows(w: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -135,24 +135,6 @@ static void micro_any(int mr, int nc, const float *x, int64_t xs, const float *p
     MICRO_MR(micro)
 }
 
-/* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x. */
-static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const float *x, int64_t xs,
-                      int64_t B, int64_t K, int64_t n0, int64_t nt, float *panel, float *otile) {
-    memset(otile, 0, sizeof(float) * (size_t)(B * NT));
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * PS, DT_F32);
-        for (int64_t c = 0; c < nt; c += NC) {
-            const int nc = (int)(nt - c < NC ? nt - c : NC);
-            for (int64_t b = 0; b < B; b += MR) {
-                const int mr = (int)(B - b < MR ? B - b : MR);
-                micro_any(mr, nc, x + b * xs + k0, xs, panel + c * PS, kc, otile + b * NT + c);
-            }
-        }
-    }
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define GEMM_BF16 1
@@ -183,27 +165,40 @@ static void micro_bf16_any(int mr, int nc, const uint16_t *x, int64_t xs, const 
     MICRO_MR(micro_bf16)
 }
 
-static void gemm_tile_bf16(const uint8_t *w, int64_t row_bytes, int type, const uint16_t *x,
-                           int64_t xs, int64_t B, int64_t K, int64_t n0, int64_t nt,
-                           uint16_t *panel, float *otile) {
+#else
+#define GEMM_BF16 0
+#endif
+
+/* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x
+ * (bfloat16 x and panels where `bf16`, else float32). */
+static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void *x, int64_t xs,
+                      int64_t B, int64_t K, int64_t n0, int64_t nt, void *panel, float *otile,
+                      int bf16) {
+    const int64_t chunk = bf16 ? KC_BF16 : KC, ps = bf16 ? PS_BF16 : PS;
+    const size_t es = bf16 ? 2 : 4;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
-    for (int64_t k0 = 0; k0 < K; k0 += KC_BF16) {
-        const int64_t kc = K - k0 < KC_BF16 ? K - k0 : KC_BF16;
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
         for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc, panel + c * PS_BF16, DT_BF16);
+            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc,
+                        (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
         for (int64_t c = 0; c < nt; c += NC) {
             const int nc = (int)(nt - c < NC ? nt - c : NC);
             for (int64_t b = 0; b < B; b += MR) {
                 const int mr = (int)(B - b < MR ? B - b : MR);
-                micro_bf16_any(mr, nc, x + b * xs + k0, xs, panel + c * PS_BF16, kc,
-                               otile + b * NT + c);
+#if GEMM_BF16
+                if (bf16) {
+                    micro_bf16_any(mr, nc, (const uint16_t *)x + b * xs + k0, xs,
+                                   (const uint16_t *)panel + c * ps, kc, otile + b * NT + c);
+                    continue;
+                }
+#endif
+                micro_any(mr, nc, (const float *)x + b * xs + k0, xs, (const float *)panel + c * ps,
+                          kc, otile + b * NT + c);
             }
         }
     }
 }
-#else
-#define GEMM_BF16 0
-#endif
 
 static void store_tile(void *out, int64_t out_stride, int out_dtype, const float *otile,
                        int64_t B, int64_t n0, int64_t nt) {
@@ -268,13 +263,8 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
                 failed = 1;
                 continue;
             }
-#if GEMM_BF16
-            if (bf16)
-                gemm_tile_bf16(w, row_bytes, type, (const uint16_t *)x, xs, B, K, n0, nt, panel,
-                               otile);
-            else
-#endif
-                gemm_tile(w, row_bytes, type, xf, xs, B, K, n0, nt, panel, otile);
+            gemm_tile(w, row_bytes, type, bf16 ? x : (const void *)xf, xs, B, K, n0, nt, panel,
+                      otile, bf16);
             store_tile(out, out_stride, out_dtype, otile, B, n0, nt);
         }
         free(panel);
