@@ -3,12 +3,13 @@ dequantized to float32 (quantization="none"), and the option's resolution.
 
 Teacher forcing: for each of the 8 oracle prompts the float32 model's greedy continuation fixes
 a sequence; both models then read the same 64 positions, once as one prefill (the batched path:
-weights dequantized into the dense kernel) and once token by token (the integer decode path,
-three sequences a step), and their top-1 tokens must agree at >= 98% of the 512 positions with
-float32 activations (measured: 100% both ways, mean |dlogit| 0.0009 token by token). With
-bfloat16 activations (what dtype="auto" picks on CPUs with native bfloat16) the activations'
-rounding dominates: the dense bfloat16 model without quantization agrees at 97.5-97.7% on these
-positions, the quantized one at 97.7% (prefill) and 98.8% (token by token); asserted >= 97%.
+the panel GEMM from the blocks, csrc/quant_gemm.c) and once token by token (the integer decode
+path, three sequences a step), and their top-1 tokens must agree at >= 99.9% of the 512
+positions with float32 activations (measured: 100% both ways, mean |dlogit| 0.0000 prefill,
+0.0009 token by token). With bfloat16 activations (what dtype="auto" picks on CPUs with native
+bfloat16) the activations' rounding dominates: the dense bfloat16 model without quantization
+agrees at 97.5-97.7% on these positions, the quantized one at 97.9% (prefill) and 98.2-98.8%
+(token by token); asserted >= 97%.
 Printed: agreement and mean |logit difference| (pytest -s shows them).
 """
 
@@ -115,7 +116,7 @@ def test_top1_agrees_with_dequantized_float32(reference_logits, quantized, seque
           f"top-1 agreement {agree}/{total} = {rate:.2%}, "
           f"mean |dlogit| {torch.stack(diffs).mean():.4f}")
     assert total == 8 * POSITIONS
-    assert rate >= (0.98 if quantized.dtype == torch.float32 else 0.97)
+    assert rate >= (0.999 if quantized.dtype == torch.float32 else 0.97)
 
 
 def test_resolution(default_model_path: Path, tmp_path: Path) -> None:
