@@ -24,10 +24,13 @@ lint: $(STAMP)
 # Ray's in-process core worker replaces the crash handlers and keeps native threads after
 # ray.shutdown(), and a later ray.init() in the same process can crash on them (ray-project/ray
 # #31145; CI once died of SIGSEGV starting test_ray_async after test_ray_multinode's cluster).
-# So each Ray test file runs in an interpreter of its own, and nothing else shares that state.
-RAY_TESTS := tests/executor/test_ray.py tests/executor/test_ray_multinode.py \
-	tests/executor/test_ray_async.py tests/executor/test_ray_pipeline.py \
+# So each Ray run below is an interpreter of its own, and nothing else shares that state;
+# test_ray.py and test_ray_async.py are one run (+), on one session-scoped Ray that is started
+# once (tests/executor/conftest.py: ray_cluster).
+RAY_RUNS := tests/executor/test_ray.py+tests/executor/test_ray_async.py \
+	tests/executor/test_ray_multinode.py tests/executor/test_ray_pipeline.py \
 	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
+RAY_TESTS := $(subst +, ,$(RAY_RUNS))
 
 # The self-healing server's chaos acceptance (engine cores and workers SIGKILLed every 5 s for
 # 60 s under 32 streaming clients, DP=2 / DP=1 / TP / ray_v2, a poison request): minutes of
@@ -44,7 +47,8 @@ CHAOS_TESTS := tests/entrypoints/server/test_server_chaos.py tests/executor/test
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests \
 		$(addprefix --ignore=,$(RAY_TESTS) $(CHAOS_TESTS))
-	rc=0; for f in $(RAY_TESTS); do $(BIN)/python -m pytest -q $$f || rc=1; done; exit $$rc
+	rc=0; for f in $(RAY_RUNS); do $(BIN)/python -m pytest -q $$(echo $$f | tr + ' ') \
+		|| rc=1; done; exit $$rc
 
 test-chaos: $(STAMP)
 	rc=0; for f in $(CHAOS_TESTS); do SHARDSERVE_TEST_CHAOS_S=60 $(BIN)/python -m pytest -q \

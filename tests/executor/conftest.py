@@ -63,3 +63,16 @@ def cluster_env(monkeypatch) -> dict[str, str]:
     from multinode_helpers import cluster_environment
 
     return cluster_environment(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the session, 4 logical CPUs on a 2-core machine (two ranks of 1 CPU
+    each fit beside the driver), its files in a temporary directory: test_ray.py and
+    test_ray_async.py share it in one interpreter (Makefile), since a second ray.init() after
+    ray.shutdown() in one process can crash (ray-project/ray#31145). A file that needs no Ray
+    running at its start (test_ray_pipeline.py) has a module-scoped one of its own."""
+    from ray_helpers import ray_session
+
+    with ray_session(num_cpus=4):
+        yield

@@ -13,17 +13,10 @@ ray = pytest.importorskip("ray")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from async_cases import run_cases, stop_points  # noqa: E402
-from ray_helpers import ray_session  # noqa: E402
 
 from shardserve import LLM  # noqa: E402
 
 TP3 = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with ray_session(num_cpus=4):
-        yield
 
 
 @pytest.fixture(scope="module")
