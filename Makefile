@@ -41,11 +41,13 @@ CHAOS_TESTS := tests/entrypoints/server/test_server_chaos.py tests/executor/test
 # The main part runs two files at a time (-n 2, a file's tests in one worker): much of a test's
 # time is a child process starting or a peer waiting, so two interleave on two cores. What a
 # test leaves behind is counted for its own process tree only (tests/conftest.py: our_segments),
-# and HF's greedy continuations are computed once for all processes (tests/hf_oracle.py). The
+# HF's greedy continuations are computed once for all processes (tests/hf_oracle.py), and the
+# longest files start first (tests/conftest.py: LONGEST_FILES; --no-loadscope-reorder keeps
+# that order, where xdist's own would put the files with the most tests first). The
 # Ray files stay one at a time after it: run beside the main part they slowed it by more than
 # their own time (13:30 against 9:29 for the main part; Ray's idle daemons poll).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests \
 		$(addprefix --ignore=,$(RAY_TESTS) $(CHAOS_TESTS))
 	rc=0; for f in $(RAY_RUNS); do $(BIN)/python -m pytest -q $$(echo $$f | tr + ' ') \
 		|| rc=1; done; exit $$rc

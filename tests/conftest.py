@@ -64,10 +64,29 @@ _CHAT_TEMPLATE = (
 )
 
 
+# The longest files of a two-worker run (measured, longest first) go first: pytest-xdist hands a
+# worker its next file once it has two tests left, so a long file handed out last would keep
+# one worker busy while the other idles (the Makefile's --no-loadscope-reorder keeps this order;
+# xdist's own puts the files with the most tests first). Others keep their collection order.
+LONGEST_FILES = (
+    "executor/test_multinode.py", "entrypoints/server/test_server_faults.py",
+    "executor/test_external_launcher.py", "executor/test_pipeline.py",
+    "executor/test_context_parallel_chunked.py", "executor/test_multinode_recovery.py",
+    "executor/test_context_parallel_mp.py", "entrypoints/server/test_server_recovery.py",
+    "entrypoints/test_cli.py", "entrypoints/server/test_server_limits.py",
+    "ipc/test_message_queue.py", "entrypoints/test_llm_beam_search.py",
+    "model/test_native_kernels.py", "model/test_quantized_model.py",
+    "engine/test_structured_outputs.py", "executor/test_multinode_secret.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` skip where torch sees no CUDA device (and run wherever it does)."""
+    """The longest files first (LONGEST_FILES; a stable sort: a file's tests keep their order).
+    Tests marked `gpu` skip where torch sees no CUDA device (and run wherever it does)."""
     import torch
 
+    rank = {f"tests/{name}": i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
