@@ -1,9 +1,9 @@
 """The real-size table of bench/cpu_vs_llamacpp.py (with --llama-bin): shardserve's sides and
 llama.cpp's own binaries on one GGUF, every side a fresh process per round.
 
-Each round measures, back to back: a bare `python -c "import torch"` (spawn to exit) and the
-machine's read bandwidth (bench/_llamacpp_bin.py), then every side (the order rotating per
-round): its measurements (bench/_shardserve_side.py; llama-bench and llama-batched-bench) and its
+Each round measures, back to back: the machine's read bandwidth (bench/_llamacpp_bin.py), then
+every side (the order rotating per round): its measurements (bench/_shardserve_side.py;
+llama-bench and llama-batched-bench), a bare `python -c "import torch"` (spawn to exit) and its
 cold start. Ratios are taken within a round and reported as the median over rounds.
 """
 
@@ -89,12 +89,12 @@ def columns(shape: dict) -> list[str]:
 
 
 def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Rounds) -> None:
-    torch_s = import_torch_s()
-    samples.add((MACHINE, "import torch s"), torch_s)
     samples.add((MACHINE, "GB/s"), read_bandwidth_gbs(threads))
     cols = columns(shape)
     for side in rotated(sides, r):
         got = side.measure()
+        torch_s = import_torch_s()  # right before each cold start: this machine drifts
+        samples.add((MACHINE, "import torch s"), torch_s)
         cold = side.cold_start()
         decode = [got["decode"].get(str(b), float("nan")) for b in shape["batches"]]
         values = [got["rss_mb"], got["peak_mb"], got["load_s"], cold, cold - torch_s,
@@ -111,7 +111,7 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
     cols = columns(shape)
     has_llama = LLAMA in names
     print("\nmedians over rounds (tok/s unless marked; RSS: after load (llama.cpp: its peak); "
-          "cold-torch = cold s minus a bare `import torch` in the same round)")
+          "cold-torch = cold s minus a bare `import torch` just before it)")
     print(f"{'side':<14}" + "".join(f"{c:>11}" for c in cols))
     for name in names:
         print(f"{name:<14}" + "".join(f"{samples.median((name, c)):>11.2f}" for c in cols))
