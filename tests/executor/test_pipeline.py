@@ -22,20 +22,25 @@ from async_cases import run_cases  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
 
 
+def _matches_hf(llm: LLM, hf_default_greedy, pp: int) -> None:
+    assert llm.engine.core.max_concurrent_batches == pp
+    assert_matches_hf(llm, hf_default_greedy)
+    handoffs = llm.collective_rpc(_handoff_paths)
+    assert all(fallback == 0 for _, fallback in handoffs), handoffs  # shared memory only
+    assert handoffs[0][0] > 0
+
+
 @pytest.mark.slow
-# The default mode at PP=2 and PP=3; sync scheduling with stages is
-# test_tp2_pp2_equals_uni[sync] below (equal to uni on every async workload) and Ray's
-# test_default_model_matches_hf[ray_v2-2-sync] (the default model against HF).
-@pytest.mark.parametrize(("pp", "async_on"), [(2, True), (3, True)], ids=["2-async", "3-async"])
+# The default mode at PP=3 (PP=2: test_each_stage_holds_only_its_weights below); sync
+# scheduling with stages is test_tp2_pp2_equals_uni[sync] below (equal to uni on every async
+# workload) and Ray's test_default_model_matches_hf[ray_v2-2-sync] (the default model against
+# HF).
+@pytest.mark.parametrize(("pp", "async_on"), [(3, True)], ids=["3-async"])
 def test_default_model_matches_hf(hf_default_greedy, pp, async_on):
     llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=pp,
               distributed_executor_backend="mp", async_scheduling=async_on)  # fmt: skip
     try:
-        assert llm.engine.core.max_concurrent_batches == pp
-        assert_matches_hf(llm, hf_default_greedy)
-        handoffs = llm.collective_rpc(_handoff_paths)
-        assert all(fallback == 0 for _, fallback in handoffs), handoffs  # shared memory only
-        assert handoffs[0][0] > 0
+        _matches_hf(llm, hf_default_greedy, pp)
     finally:
         llm.shutdown()
 
@@ -89,12 +94,14 @@ def _layer_bytes(worker) -> int:
 
 
 @pytest.mark.slow
-def test_each_stage_holds_only_its_weights():
-    """Default model (30 layers, tied 49152 x 576 embedding), float32: the decoder layers split
-    in half exactly. The embedding table sits on stage 0 and the LM head on stage 1; one rank
-    holds both, the LM head as its own prepacked copy, so each PP=2 rank holds half of PP=1's
-    bytes (measured: 0.50 and 0.50 of 651 MB)."""
-    options = dict(dtype="float32", max_model_len=256, distributed_executor_backend="mp")
+def test_each_stage_holds_only_its_weights(hf_default_greedy):
+    """Default model (30 layers, tied 49152 x 576 embedding), float32, PP=2 in the default
+    (async) mode: greedy equals HF's, the hand-off through shared memory, and the decoder
+    layers split in half exactly. The embedding table sits on stage 0 and the LM head on stage
+    1; one rank holds both, the LM head as its own prepacked copy, so each PP=2 rank holds half
+    of PP=1's bytes (measured: 0.50 and 0.50 of 651 MB). (One PP=2 engine for both checks,
+    which were a test each.)"""
+    options = dict(dtype="float32", max_model_len=512, distributed_executor_backend="mp")
     llm = LLM(**{**options, "distributed_executor_backend": "uni"})
     try:
         whole = llm.collective_rpc(_weight_bytes)[0]
@@ -103,6 +110,7 @@ def test_each_stage_holds_only_its_weights():
         llm.shutdown()
     llm = LLM(**options, pipeline_parallel_size=2)
     try:
+        _matches_hf(llm, hf_default_greedy, 2)
         per_rank = llm.collective_rpc(_weight_bytes)
         layers = llm.collective_rpc(_layer_bytes)
         kv_layers = llm.collective_rpc(lambda w: len(w.model_runner.kv_caches))
