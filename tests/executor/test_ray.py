@@ -67,9 +67,14 @@ def _llm(path, path_id: str, **kwargs) -> LLM:
 
 
 @pytest.mark.parametrize("path_id", list(PATHS))
-def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, lora_case, path_id):
+def test_outputs_equal_uni_rpc_and_a_non_output_rank_exception(ray_cluster, tiny_llama_dir,
+                                                               uni_tokens, lora_case, path_id):
+    """Each path: outputs (also through a LoRA adapter) equal uni's, RPC with its errors; then
+    an exception on rank 1 (not the output rank) surfaces fast with its traceback. (One engine
+    a path for both, which were a test each: the workers are FaultyWorker, which is Worker
+    until a fault is armed.)"""
     before = our_segments()
-    llm = _llm(tiny_llama_dir, path_id, **LORA_OPTIONS)
+    llm = _llm(tiny_llama_dir, path_id, worker_cls="faulty_worker.FaultyWorker", **LORA_OPTIONS)
     executor = llm.engine.core.executor
     try:
         assert type(executor).__name__ == {"ray": "RayDistributedExecutor"}.get(
@@ -94,9 +99,23 @@ def test_outputs_equal_uni_and_rpc(ray_cluster, tiny_llama_dir, uni_tokens, lora
         if PATHS[path_id][1]:
             assert executor._graph is not None  # the steps really went through the graph
         check_adapter_calls(llm, lora_case[0], PROMPTS, GREEDY, lora_case[1])
+        _raises_the_non_output_ranks_exception(llm)
     finally:
         llm.shutdown()
     nothing_left(before)
+
+
+def _raises_the_non_output_ranks_exception(llm: LLM) -> None:
+    llm.collective_rpc("arm_fault", args=([1],))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="injected fault on rank 1") as err:
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    print(f"non-output rank exception surfaced after {elapsed * 1000:.0f} ms")
+    assert elapsed < 5
+    assert "worker rank 1" in str(err.value)
+    cause = str(err.value.__cause__)
+    assert "Traceback" in cause and "execute_model" in cause
 
 
 def test_unsatisfiable_placement_group_fails_in_time(ray_cluster, tiny_llama_dir):
@@ -142,26 +161,6 @@ def test_ray_kill_of_a_worker_during_generate(ray_cluster, tiny_llama_dir, path_
         with pytest.raises(EngineDeadError):
             executor.check_health()
         assert calls == [1]
-    finally:
-        llm.shutdown()
-    nothing_left(before)
-
-
-@pytest.mark.parametrize("path_id", list(PATHS))
-def test_exception_on_a_non_output_rank(ray_cluster, tiny_llama_dir, path_id):
-    before = our_segments()
-    llm = _llm(tiny_llama_dir, path_id, worker_cls="faulty_worker.FaultyWorker")
-    try:
-        llm.collective_rpc("arm_fault", args=([1],))
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="injected fault on rank 1") as err:
-            llm.generate(PROMPTS, LONG, use_tqdm=False)
-        elapsed = time.monotonic() - t0
-        print(f"non-output rank exception surfaced after {elapsed * 1000:.0f} ms")
-        assert elapsed < 5
-        assert "worker rank 1" in str(err.value)
-        cause = str(err.value.__cause__)
-        assert "Traceback" in cause and "execute_model" in cause
     finally:
         llm.shutdown()
     nothing_left(before)
