@@ -97,7 +97,8 @@ def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Round
         samples.add((MACHINE, "import torch s"), torch_s)
         cold = side.cold_start()
         decode = [got["decode"].get(str(b), float("nan")) for b in shape["batches"]]
-        values = [got["rss_mb"], got["peak_mb"], got["load_s"], cold, cold - torch_s,
+        net = cold if side.name == LLAMA else cold - torch_s  # llama.cpp imports no torch
+        values = [got["rss_mb"], got["peak_mb"], got["load_s"], cold, net,
                   got["pp"], got["tg"], *decode]
         for col, value in zip(cols, values, strict=True):
             samples.add((side.name, col), value)
@@ -111,7 +112,7 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
     cols = columns(shape)
     has_llama = LLAMA in names
     print("\nmedians over rounds (tok/s unless marked; RSS: after load (llama.cpp: its peak); "
-          "cold-torch = cold s minus a bare `import torch` just before it)")
+          "cold-torch = cold s minus a bare `import torch` just before it; llama.cpp's: cold s)")
     print(f"{'side':<14}" + "".join(f"{c:>11}" for c in cols))
     for name in names:
         print(f"{name:<14}" + "".join(f"{samples.median((name, c)):>11.2f}" for c in cols))
