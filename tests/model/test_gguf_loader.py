@@ -77,27 +77,39 @@ def test_loaded_layers_keep_file_views_where_no_repack_applies(default_model_pat
 
 
 _MEASURE = """
-import json, sys, time
-def rss():
+import json, os, sys, time
+def resident(path):
+    # Anonymous memory plus the pages of `path`'s maps: shared libraries' code pages, touched
+    # for the first time by the load's code paths, vary by machine and are not the weights'.
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+        anon = next(int(l.split()[1]) for l in f if l.startswith("RssAnon:"))
+    mapped, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+                ours = len(head) >= 6 and os.path.realpath(head[-1]) == path
+            elif ours and head[0] == "Rss:":
+                mapped += int(head[1])
+    return (anon + mapped) * 1024
 import torch
 from shardserve.model import native_kernels
 from shardserve.model.gguf_loader import _nbytes, hf_name, read_gguf
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, read_arch
 native_kernels.library()
-path = sys.argv[1]
-before, t0 = rss(), time.perf_counter()
+path = os.path.realpath(sys.argv[1])
+before, t0 = resident(path), time.perf_counter()
 gf, _ = read_gguf(path)
 model = LlamaForCausalLM(read_arch(path), torch.float32, quantization="gguf")
 model.load_weights(iter_weights(path, keep_quantized=True))
 tensor_bytes = sum(_nbytes(t) for t in gf.tensors if hf_name(t.name))
-print(json.dumps({"grew": rss() - before, "tensor_bytes": tensor_bytes,
+print(json.dumps({"grew": resident(path) - before, "tensor_bytes": tensor_bytes,
                   "seconds": time.perf_counter() - t0}))
 """
 # Beside the weights: the header's metadata as Python objects (49k tokens and merges, ~9 MiB),
-# its pages of the map (~2 MiB) and the empty model's modules (~8 MiB).
+# its pages of the map (~2 MiB) and the empty model's modules (~8 MiB). Counted: anonymous
+# memory and the file's map (not the code pages of libraries the load touches first).
 SLACK = 24 << 20
 
 
