@@ -25,11 +25,12 @@ lint: $(STAMP)
 # ray.shutdown(), and a later ray.init() in the same process can crash on them (ray-project/ray
 # #31145; CI once died of SIGSEGV starting test_ray_async after test_ray_multinode's cluster).
 # So each Ray run below is an interpreter of its own, and nothing else shares that state;
-# test_ray.py and test_ray_async.py are one run (+), on one session-scoped Ray that is started
-# once (tests/executor/conftest.py: ray_cluster).
-RAY_RUNS := tests/executor/test_ray.py+tests/executor/test_ray_async.py \
-	tests/executor/test_ray_multinode.py tests/executor/test_ray_pipeline.py \
-	tests/executor/test_ray_parts.py tests/executor/test_ray_dp.py
+# test_ray.py, test_ray_async.py and test_ray_pipeline.py are one run (+), on one session-scoped
+# Ray that is started once (tests/executor/conftest.py: ray_cluster).
+RAY_SHARED := test_ray.py+test_ray_async.py+test_ray_pipeline.py
+RAY_RUNS := $(subst +,+tests/executor/,tests/executor/$(RAY_SHARED)) \
+	tests/executor/test_ray_multinode.py tests/executor/test_ray_parts.py \
+	tests/executor/test_ray_dp.py
 RAY_TESTS := $(subst +, ,$(RAY_RUNS))
 
 # The self-healing server's chaos acceptance (engine cores and workers SIGKILLed every 5 s for

@@ -68,10 +68,11 @@ def cluster_env(monkeypatch) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for the session, 4 logical CPUs on a 2-core machine (two ranks of 1 CPU
-    each fit beside the driver), its files in a temporary directory: test_ray.py and
-    test_ray_async.py share it in one interpreter (Makefile), since a second ray.init() after
-    ray.shutdown() in one process can crash (ray-project/ray#31145). A file that needs no Ray
-    running at its start (test_ray_pipeline.py) has a module-scoped one of its own."""
+    each fit beside the driver), its files in a temporary directory: test_ray.py,
+    test_ray_async.py and test_ray_pipeline.py share it in one interpreter (Makefile), since a
+    second ray.init() after ray.shutdown() in one process can crash (ray-project/ray#31145).
+    The files whose engines start Ray themselves, or join a cluster of their own, each run in
+    an interpreter of their own."""
     from ray_helpers import ray_session
 
     with ray_session(num_cpus=4):

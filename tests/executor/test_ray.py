@@ -1,7 +1,8 @@
 """The Ray backends on a real (local, CPU-only) Ray: equality with uni, RPC, failures, cleanup.
 
 One Ray instance serves the whole session (conftest.py: ray_cluster; `make test` runs
-test_ray_async.py beside this file on it); its files live in a temporary directory.
+test_ray_async.py and test_ray_pipeline.py beside this file on it); its files live in a
+temporary directory.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The Ray package's parts without a cluster (actor names and environment, bundles, the
-compiled-graph choice, detach), and an engine that starts (and stops) its own Ray."""
+compiled-graph choice, detach), and an engine that starts (and stops) its own Ray, leaving none
+of its raylet's semaphores behind."""
 
 from __future__ import annotations
 
@@ -67,25 +68,32 @@ def test_detach_copies_read_only_arrays():
     assert detach(writable) is writable
 
 
+def _ray_semaphores() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.obj", "sem.hdr"))}
+
+
 def test_engine_starts_and_stops_its_own_ray(tiny_llama_dir):
-    """No Ray initialised and no address: the executor starts a local Ray, and stops it."""
+    """No Ray initialised and no address: the executor starts a local Ray, and stops it. Its
+    stages on the compiled graph (PP=2): Ray's raylet leaves the semaphores of actor-to-actor
+    graph channels in /dev/shm; the executor removes those of a raylet it started, once that
+    raylet has exited. (This and test_ray_pipeline.py's semaphore check on a Ray of its own
+    were a test each, on ray_v2 and on the graph: both backends connect through the same
+    RayWorkerGroup, executor/ray/cluster.py.)"""
     assert not ray.is_initialized()
-    before = our_segments()
+    before, semaphores = our_segments(), _ray_semaphores()
     with ray_env():
         os.environ.pop("RAY_ADDRESS", None)
-        llm = LLM(
-            str(tiny_llama_dir),
-            dtype="float32",
-            max_model_len=128,
-            tensor_parallel_size=2,
-            distributed_executor_backend="ray_v2",
-        )
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                  pipeline_parallel_size=2, distributed_executor_backend="ray",
+                  ray_use_compiled_graph=True, worker_start_timeout_s=90)
         try:
             assert llm.engine.core.executor.group.connection.started_local
             params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
             assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+            assert _ray_semaphores() - semaphores  # the graph's channels made some
         finally:
             llm.shutdown()
         assert not ray.is_initialized()
         assert_no_ray_processes()
     assert our_segments() == before
+    assert not _ray_semaphores() - semaphores

@@ -1,7 +1,8 @@
 """Pipeline parallelism on the Ray backends: `ray` through actor calls and through a compiled
 graph (hidden states travel in the graph's channels), and `ray_v2`. Greedy output equals HF's
 with PP=2, PP=3 and TP=2 x PP=2 equal uni on every async workload, async scheduling on and
-off, and a killed worker fails the engine naming its rank and stage."""
+off, and a killed worker fails the engine naming its rank and stage. (The graph's semaphores on
+a Ray the executor started: test_ray_parts.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from async_cases import run_cases  # noqa: E402
 from pp_oracle import assert_matches_hf  # noqa: E402
-from ray_helpers import ray_env, ray_session  # noqa: E402
 
 from shardserve import LLM, EngineDeadError, SamplingParams  # noqa: E402
 from shardserve.engine.request import Request  # noqa: E402
@@ -27,33 +27,6 @@ MODES = {
     "ray-graph": {"distributed_executor_backend": "ray", "ray_use_compiled_graph": True},
     "ray_v2": {"distributed_executor_backend": "ray_v2"},
 }
-
-
-def _ray_semaphores() -> set[str]:
-    return {n for n in __import__("os").listdir("/dev/shm") if n.startswith(("sem.obj", "sem.hdr"))}
-
-
-def test_graph_with_stages_on_a_ray_it_started_leaves_no_semaphores(four_layer_model):
-    """First in the module, before the shared Ray exists: the executor starts its own. Ray's
-    raylet leaves the semaphores of actor-to-actor graph channels in /dev/shm; the executor
-    removes those of a raylet it started, once that raylet has exited."""
-    before = _ray_semaphores()
-    with ray_env():
-        llm = LLM(str(four_layer_model), dtype="float32", max_model_len=128,
-                  pipeline_parallel_size=2, worker_start_timeout_s=90, **MODES["ray-graph"])
-        try:
-            assert llm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
-            assert _ray_semaphores() - before  # the graph's channels made some
-        finally:
-            llm.shutdown()
-        assert not ray.is_initialized()
-    assert not _ray_semaphores() - before
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with ray_session(num_cpus=4):
-        yield
 
 
 def _handoff_paths(worker) -> tuple[int, int]:
