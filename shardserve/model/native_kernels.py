@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
+# And their SIMD row kernels for small batches (the batch-1 decode step's products).
+ROWS_SOURCE = Path(__file__).parent / "csrc" / "quant_rows.c"
 # And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
 GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
@@ -58,6 +60,8 @@ CP_SOURCE = Path(__file__).parent / "csrc" / "cp_attention.c"
 # them, so an edit to it rebuilds; its folder is on the include path, so a `source` copied
 # elsewhere (the tests' broken copy) still finds it.
 HEADER = Path(__file__).parent / "csrc" / "kernels_common.h"
+# What the quantized-weight sources share among themselves (types, blocks, x's quantized form).
+QUANT_HEADER = HEADER.parent / "quant_blocks.h"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 _FLAGS = (
@@ -120,8 +124,8 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c, decode_layers.c, lora_kernels.c and cp_attention.c are always
-    compiled in beside `source`."""
+    csrc/quant_kernels.c, quant_rows.c, quant_gemm.c, decode_layers.c, lora_kernels.c and
+    cp_attention.c are always compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     lib.arch_flags = arch_flags  # isa_report names the level by them
@@ -144,7 +148,8 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, GEMM_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
+    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, GEMM_SOURCE, DECODE_SOURCE, LORA_SOURCE,
+               CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
@@ -167,7 +172,7 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
 
 def _cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> str:
     """What decides a rebuild: the sources and the header they include, flags, compiler, CPU."""
-    source = b"".join(p.read_bytes() for p in (*sources, HEADER))
+    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER))
     return hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler)
         + " ".join(sorted(kernel_levels.cpu_flags())).encode()

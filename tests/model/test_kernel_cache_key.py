@@ -14,18 +14,20 @@ pytestmark = pytest.mark.skipif(
     not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
 )
 
-SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.DECODE_SOURCE)
+SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.ROWS_SOURCE, nk.GEMM_SOURCE, nk.DECODE_SOURCE)
 
 
 def _key() -> str:
     return nk._cache_key(shutil.which("gcc") or "gcc", nk.PORTABLE_ARCH, SOURCES)
 
 
-def test_a_header_edit_changes_the_cache_key(monkeypatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("header", ["HEADER", "QUANT_HEADER"])
+def test_a_header_edit_changes_the_cache_key(header: str, monkeypatch, tmp_path: Path) -> None:
     before = _key()
-    edited = tmp_path / nk.HEADER.name
-    edited.write_bytes(nk.HEADER.read_bytes() + b"\n/* edited */\n")
-    monkeypatch.setattr(nk, "HEADER", edited)
+    original: Path = getattr(nk, header)
+    edited = tmp_path / original.name
+    edited.write_bytes(original.read_bytes() + b"\n/* edited */\n")
+    monkeypatch.setattr(nk, header, edited)
     assert _key() != before
 
 
@@ -33,5 +35,8 @@ def test_the_header_is_included_by_every_source() -> None:
     """Each file takes the shared helpers from the header, none keeps its own copy."""
     for path in SOURCES:
         text = path.read_text()
-        assert f'#include "{nk.HEADER.name}"' in text, path.name
+        # Directly, or through the quantized sources' own header (which includes it).
+        via = nk.HEADER if nk.QUANT_HEADER.name not in text else nk.QUANT_HEADER
+        assert f'#include "{via.name}"' in text, path.name
+        assert f'#include "{nk.HEADER.name}"' in nk.QUANT_HEADER.read_text()
         assert "static inline float bf16_to_f32" not in text, path.name

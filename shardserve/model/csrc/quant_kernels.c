@@ -39,74 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels_common.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#define QK_SIMD 1
-#else
-#define QK_SIMD 0
-#endif
-
-/* ggml type ids (the GGUF file's numbers). */
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q5_K 13
-#define T_Q6_K 14
-/* Repacked at load (shardserve's own layouts, row-major, same bytes as their sources): a row of
- * K is  R4: u8 nib[K/2] | f16 d[K/32] | f16 m[K/32]   (from Q4_0 / Q4_1; K % 64 == 0)
- *             nib byte 32 g + l = q(sub 2g, l) | q(sub 2g+1, l) << 4,   w = d * q + m
- *       R8: i8 q[K] | f16 d[K/32]                      (from Q8_0),       w = d * q
- * so that a 32-byte load holds two sub-blocks and 16 scales convert in one instruction. */
-#define T_R4 1004
-#define T_R8 1008
-
-/* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
-#define QPARALLEL_MIN (256 * 1024)
-
-static inline float half_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        u = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        u = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            exp--;
-        }
-        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Elements and bytes per block; 0 for a type this file does not handle. */
-static int block_shape(int type, int *elems, int *bytes) {
-    switch (type) {
-    case T_Q4_0: *elems = 32; *bytes = 18; return 1;
-    case T_Q4_1: *elems = 32; *bytes = 20; return 1;
-    case T_Q8_0: *elems = 32; *bytes = 34; return 1;
-    case T_Q4_K: *elems = 256; *bytes = 144; return 1;
-    case T_Q5_K: *elems = 256; *bytes = 176; return 1;
-    case T_Q6_K: *elems = 256; *bytes = 210; return 1;
-    case T_R4: *elems = 32; *bytes = 20; return 1;
-    case T_R8: *elems = 32; *bytes = 34; return 1;
-    default: return 0;
-    }
-}
+#include "quant_blocks.h"
 
 /* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the
  * offset m (w = s * q + m); q is int8 for Q8_0 (`is_signed`), else 0..63 as uint8. */
@@ -116,29 +49,10 @@ typedef struct {
     float *m;    /* [K / 16] */
 } row_t;
 
-static void scale_min_k4(int j, const uint8_t *sc, uint8_t *d, uint8_t *m) {
-    if (j < 4) {
-        *d = sc[j] & 63;
-        *m = sc[j + 4] & 63;
-    } else {
-        *d = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    }
-}
-
 static void set_halves(row_t *r, int64_t sub, float s, float m) {
     r->s[2 * sub] = r->s[2 * sub + 1] = s;
     r->m[2 * sub] = r->m[2 * sub + 1] = m;
 }
-
-#if QK_SIMD
-static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xF)); }
-static inline __m256i high_nibbles(__m256i v) {
-    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0xF));
-}
-static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
-#endif
 
 static void decode_q4(const uint8_t *blk, int64_t sub, row_t *r, int type) {
     const float d = half_to_f32(blk);
@@ -257,15 +171,6 @@ static void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     }
 }
 
-/* Quantized activations: int16 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
- * sum xs [B, K/16] (xs = d * sum q over the half). */
-typedef struct {
-    int16_t *q;
-    float *d;
-    float *xs;
-    float *xs32; /* [B, K/32]: xs of both halves */
-} xquant_t;
-
 static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, float *d, float *xs,
                            float *xs32) {
     for (int64_t sub = 0; sub < K / 32; sub++) {
@@ -312,13 +217,6 @@ static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64
     return acc + offset_dot(r->m, xq->xs + b * (K / 16), K / 16);
 }
 
-static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
-    if (out_dtype == DT_F32)
-        ((float *)out)[idx] = v;
-    else
-        ((uint16_t *)out)[idx] = f32_to_bf16(v);
-}
-
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
     for (int64_t b = 0; b < B; b++)
@@ -326,194 +224,6 @@ static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K
 }
 
 #if QK_SIMD
-/*
- * Small batches (B <= FUSED_MAX_B): each weight row is decoded in registers while it is
- * multiplied, so a row costs one pass over its blocks and no scratch (the batch-1 decode step
- * is this path: reading the weights is all it should cost). `TYPE` is a compile-time constant
- * at every call site, so each type gets its own loop.
- */
-#define FUSED_MAX_B 4
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
- * sub-block scales and offsets (filled by the caller once per block). */
-ALWAYS_INLINE __m256i fused_sub(
-    int TYPE, const uint8_t *blk, int j, const float *k_s, const float *k_m, float *s, float *m) {
-    if (TYPE == T_Q4_0 || TYPE == T_Q4_1) {
-        const float d = half_to_f32(blk);
-        s[0] = s[1] = d;
-        m[0] = m[1] = TYPE == T_Q4_1 ? half_to_f32(blk + 2) : -8.f * d;
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2)));
-        const __m128i m4 = _mm_set1_epi8(0xF);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
-    if (TYPE == T_Q8_0) {
-        s[0] = s[1] = half_to_f32(blk);
-        m[0] = m[1] = 0.f;
-        return load32(blk + 2);
-    }
-    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        s[0] = s[1] = k_s[j];
-        m[0] = m[1] = k_m[j];
-        const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
-        const __m256i v = load32(qs + 32 * (j / 2));
-        __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
-        if (TYPE == T_Q5_K) {
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 16), j),
-                                                 _mm256_set1_epi8(1));
-            vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
-        }
-        return vals;
-    }
-    /* Q6_K */
-    const int h = j / 4, k = j % 4;
-    s[0] = k_s[2 * j];
-    s[1] = k_s[2 * j + 1];
-    m[0] = -32.f * s[0];
-    m[1] = -32.f * s[1];
-    const __m256i lo = load32(blk + 64 * h + 32 * (k & 1));
-    const __m256i nib = k < 2 ? low_nibbles(lo) : high_nibbles(lo);
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 128 + 32 * h), 2 * k),
-                                         _mm256_set1_epi8(3));
-    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
-}
-
-/* A K-quant block's sub-block scales (8 for Q4_K/Q5_K, 16 half-scales for Q6_K). */
-ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
-    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
-        for (int j = 0; j < 8; j++) {
-            uint8_t sc, mn;
-            scale_min_k4(j, blk + 4, &sc, &mn);
-            k_s[j] = d * (float)sc;
-            k_m[j] = -dmin * (float)mn;
-        }
-    } else if (TYPE == T_Q6_K) {
-        const float d = half_to_f32(blk + 208);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        /* sub-block j = 4 h + k uses scales[8 h + 2 k + half] */
-        for (int j = 0; j < 8; j++)
-            for (int half = 0; half < 2; half++)
-                k_s[2 * j + half] = d * (float)sc[8 * (j / 4) + 2 * (j % 4) + half];
-    }
-}
-
-/* One sub-block's share: acc += (w . x per pair of int16) * scale, the scale per half (Q6_K) or
- * one for all 32. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
- * convert to float exactly. AVX-512 does the 32 values in one register, AVX2 in two. */
-#if defined(__AVX512BW__)
-typedef __m512 acc_t;
-typedef __m512i wide_t;
-static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
-static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
-ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
-    return TYPE == T_Q8_0 ? _mm512_cvtepi8_epi16(w) : _mm512_cvtepu8_epi16(w);
-}
-ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
-                            float s1) {
-    const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
-    const __m512 sv = per_half ? _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
-                               : _mm512_set1_ps(s0);
-    return _mm512_fmadd_ps(p, sv, acc);
-}
-#else
-typedef __m256 acc_t;
-typedef struct { __m256i lo, hi; } wide_t;
-static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-static inline float acc_sum(acc_t a) { return hsum8(a); }
-ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
-    const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
-    wide_t out;
-    out.lo = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
-    out.hi = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
-    return out;
-}
-ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
-                            float s1) {
-    const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
-    const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    if (!per_half)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), acc);
-}
-#endif
-
-ALWAYS_INLINE void fused_row(
-    int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
-    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
-    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
-                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
-    /* NB is a constant at each call: the accumulators stay in registers. */
-    acc_t acc[FUSED_MAX_B];
-    float macc[FUSED_MAX_B];
-    for (int i = 0; i < NB; i++) {
-        acc[i] = acc_zero();
-        macc[i] = 0.f;
-    }
-    float k_s[16], k_m[8];
-    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
-        const uint8_t *blk = row + blk_i * bytes;
-        fused_block_scales(TYPE, blk, k_s, k_m);
-        for (int j = 0; j < elems / 32; j++) {
-            const int64_t sub = blk_i * (elems / 32) + j;
-            float s[2], m[2];
-            const wide_t w = widen(TYPE, fused_sub(TYPE, blk, j, k_s, k_m, s, m));
-            for (int i = 0; i < NB; i++) {
-                const int64_t b = b0 + i;
-                const float xd = xq->d[b * (K / 32) + sub];
-                acc[i] = mac_sub(TYPE == T_Q6_K, acc[i], w, xq->q + b * K + 32 * sub,
-                                 s[0] * xd, s[1] * xd);
-                if (TYPE != T_Q8_0) {
-                    const float *xs = xq->xs + b * (K / 16) + 2 * sub;
-                    macc[i] += m[0] * xs[0] + m[1] * xs[1];
-                }
-            }
-        }
-    }
-    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + macc[i];
-}
-
-#define FUSED_NB(T, NB)                                                                \
-    case NB:                                                                           \
-        fused_row(T, NB, row, xq, b0, K, res);                                         \
-        break;
-
-#define FUSED_CASE(T)                                                                  \
-    case T:                                                                            \
-        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {                              \
-            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;         \
-            float res[FUSED_MAX_B] = {0};                                                  \
-            switch (nb) { FUSED_NB(T, 1) FUSED_NB(T, 2) FUSED_NB(T, 3) FUSED_NB(T, 4) } \
-            for (int i = 0; i < nb; i++)                                               \
-                store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);          \
-        }                                                                              \
-        break;
-
-static void fused_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
-                       int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
-                       int out_dtype, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        switch (type) {
-            FUSED_CASE(T_Q4_0)
-            FUSED_CASE(T_Q4_1)
-            FUSED_CASE(T_Q8_0)
-            FUSED_CASE(T_Q4_K)
-            FUSED_CASE(T_Q5_K)
-            FUSED_CASE(T_Q6_K)
-        default: break;
-        }
-    }
-}
-
 /* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
 static inline __m128i f32x8_to_bf16(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -634,89 +344,6 @@ void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int
 /* quant_gemm.c's view of block_shape. */
 int quant_block_shape(int type, int *elems, int *bytes) { return block_shape(type, elems, bytes); }
 
-#if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define QK_REPACK 1
-/*
- * Rows of R4 / R8 times up to 4 rows of x. Per 16 sub-blocks: the 16 weight scales convert in
- * one instruction, are multiplied by x's 16 scales and parked on the stack (each then feeds a
- * broadcast), and the offsets' share m . xs32 is one vector FMA. Per sub-block what remains is
- * a widen, a load of x, vpmaddwd, a conversion and an FMA.
- */
-ALWAYS_INLINE void r_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
-                         int64_t K, float *res) {
-    const int64_t nsub = K / 32;
-    const uint8_t *d16 = row + (TYPE == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
-    __m512 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
-    for (int i = 0; i < NB; i++) acc[i] = macc[i] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < nsub; g0 += 16) {
-        const int cnt = nsub - g0 < 16 ? (int)(nsub - g0) : 16;
-        const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d16 + 2 * g0));
-        float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
-        for (int i = 0; i < NB; i++) {
-            const int64_t b = b0 + i;
-            const __m512 xd = _mm512_maskz_loadu_ps(mask, xq->d + b * nsub + g0);
-            _mm512_store_ps(sd[i], _mm512_mul_ps(dv, xd));
-            if (TYPE == T_R4) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m16 + 2 * g0));
-                macc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xq->xs32 + b * nsub + g0),
-                                          macc[i]);
-            }
-        }
-        for (int t = 0; t < cnt; t += (TYPE == T_R4 ? 2 : 1)) {
-            const int64_t sub = g0 + t;
-            __m512i w0, w1 = _mm512_setzero_si512();
-            if (TYPE == T_R4) {
-                const __m256i v = load32(row + 16 * sub); /* sub-blocks sub, sub + 1 */
-                w0 = _mm512_cvtepu8_epi16(low_nibbles(v));
-                w1 = _mm512_cvtepu8_epi16(high_nibbles(v));
-            } else {
-                w0 = _mm512_cvtepi8_epi16(load32(row + 32 * sub));
-            }
-            for (int i = 0; i < NB; i++) {
-                const int16_t *x = xq->q + (b0 + i) * K + 32 * sub;
-                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w0, _mm512_loadu_si512(x)));
-                acc[i] = _mm512_fmadd_ps(p0, _mm512_set1_ps(sd[i][t]), acc[i]);
-                if (TYPE == T_R4) {
-                    const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512(x + 32)));
-                    acc[i] = _mm512_fmadd_ps(p1, _mm512_set1_ps(sd[i][t + 1]), acc[i]);
-                }
-            }
-        }
-    }
-    for (int i = 0; i < NB; i++) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
-}
-
-#define R_NB(T, NB)                                                                    \
-    case NB:                                                                           \
-        r_row(T, NB, row, xq, b0, K, res);                                             \
-        break;
-
-static void r_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
-                   int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-                   int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
-            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;
-            float res[FUSED_MAX_B] = {0};
-            if (type == T_R4) {
-                switch (nb) { R_NB(T_R4, 1) R_NB(T_R4, 2) R_NB(T_R4, 3) R_NB(T_R4, 4) }
-            } else {
-                switch (nb) { R_NB(T_R8, 1) R_NB(T_R8, 2) R_NB(T_R8, 3) R_NB(T_R8, 4) }
-            }
-            for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
-        }
-    }
-}
-#else
-#define QK_REPACK 0
-#endif
-
-/* Whether this build computes R4 / R8 rows on its fast path (else they take the portable one). */
-int quant_can_repack(void) { return QK_REPACK; }
-
 static void free_rows(row_t *rows, int threads) {
     for (int t = 0; t < threads; t++) {
         free(rows[t].q);
@@ -767,19 +394,9 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         quantize_x_row((const char *)x + (size_t)(b * x_stride) * esize, K, dtype, xq.q + b * K,
                        xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
-    const int repacked = type == T_R4 || type == T_R8;
-    (void)repacked;
-#if QK_REPACK
-    if (repacked) {
-        r_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
-        goto done;
-    }
-#endif
 #if QK_SIMD
-    if (!repacked) {
-        fused_rows(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads);
+    if (quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads))
         goto done;
-    }
 #endif
     const int is_signed = type == T_Q8_0 || type == T_R8;
     row_t *rows = alloc_rows(threads, K);

@@ -1,0 +1,195 @@
+/*
+ * What the quantized-weight kernels share (quant_kernels.c: block decoding, x's quantization, the
+ * portable path and the dispatch; quant_rows.c: the SIMD row kernels for small batches): the
+ * GGUF type ids and block shapes, x's quantized form, and the in-register decoding of a block.
+ * Hashed with the sources by native_kernels.py, so an edit here rebuilds the library.
+ */
+#ifndef SHARDSERVE_QUANT_BLOCKS_H
+#define SHARDSERVE_QUANT_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels_common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define QK_SIMD 1
+#else
+#define QK_SIMD 0
+#endif
+
+/* ggml type ids (the GGUF file's numbers). */
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+/* Repacked at load (shardserve's own layouts, row-major, same bytes as their sources): a row of
+ * K is  R4: u8 nib[K/2] | f16 d[K/32] | f16 m[K/32]   (from Q4_0 / Q4_1; K % 64 == 0)
+ *             nib byte 32 g + l = q(sub 2g, l) | q(sub 2g+1, l) << 4,   w = d * q + m
+ *       R8: i8 q[K] | f16 d[K/32]                      (from Q8_0),       w = d * q
+ * so that a 32-byte load holds two sub-blocks and 16 scales convert in one instruction. */
+#define T_R4 1004
+#define T_R8 1008
+
+/* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
+#define QPARALLEL_MIN (256 * 1024)
+
+static inline float half_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Elements and bytes per block; 0 for a type this file does not handle. */
+static inline int block_shape(int type, int *elems, int *bytes) {
+    switch (type) {
+    case T_Q4_0: *elems = 32; *bytes = 18; return 1;
+    case T_Q4_1: *elems = 32; *bytes = 20; return 1;
+    case T_Q8_0: *elems = 32; *bytes = 34; return 1;
+    case T_Q4_K: *elems = 256; *bytes = 144; return 1;
+    case T_Q5_K: *elems = 256; *bytes = 176; return 1;
+    case T_Q6_K: *elems = 256; *bytes = 210; return 1;
+    case T_R4: *elems = 32; *bytes = 20; return 1;
+    case T_R8: *elems = 32; *bytes = 34; return 1;
+    default: return 0;
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t *sc, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *d = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* Quantized activations: int16 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
+ * sum xs [B, K/16] (xs = d * sum q over the half). */
+typedef struct {
+    int16_t *q;
+    float *d;
+    float *xs;
+    float *xs32; /* [B, K/32]: xs of both halves */
+} xquant_t;
+
+/* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
+#define FUSED_MAX_B 4
+
+#if QK_SIMD
+static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xF)); }
+static inline __m256i high_nibbles(__m256i v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0xF));
+}
+static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
+ * sub-block scales and offsets (filled by the caller once per block). */
+ALWAYS_INLINE __m256i fused_sub(
+    int TYPE, const uint8_t *blk, int j, const float *k_s, const float *k_m, float *s, float *m) {
+    if (TYPE == T_Q4_0 || TYPE == T_Q4_1) {
+        const float d = half_to_f32(blk);
+        s[0] = s[1] = d;
+        m[0] = m[1] = TYPE == T_Q4_1 ? half_to_f32(blk + 2) : -8.f * d;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2)));
+        const __m128i m4 = _mm_set1_epi8(0xF);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    if (TYPE == T_Q8_0) {
+        s[0] = s[1] = half_to_f32(blk);
+        m[0] = m[1] = 0.f;
+        return load32(blk + 2);
+    }
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        s[0] = s[1] = k_s[j];
+        m[0] = m[1] = k_m[j];
+        const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
+        const __m256i v = load32(qs + 32 * (j / 2));
+        __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
+        if (TYPE == T_Q5_K) {
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 16), j),
+                                                 _mm256_set1_epi8(1));
+            vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
+        }
+        return vals;
+    }
+    /* Q6_K */
+    const int h = j / 4, k = j % 4;
+    s[0] = k_s[2 * j];
+    s[1] = k_s[2 * j + 1];
+    m[0] = -32.f * s[0];
+    m[1] = -32.f * s[1];
+    const __m256i lo = load32(blk + 64 * h + 32 * (k & 1));
+    const __m256i nib = k < 2 ? low_nibbles(lo) : high_nibbles(lo);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 128 + 32 * h), 2 * k),
+                                         _mm256_set1_epi8(3));
+    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+}
+
+/* A K-quant block's sub-block scales (8 for Q4_K/Q5_K, 16 half-scales for Q6_K). */
+ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            k_s[j] = d * (float)sc;
+            k_m[j] = -dmin * (float)mn;
+        }
+    } else if (TYPE == T_Q6_K) {
+        const float d = half_to_f32(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        /* sub-block j = 4 h + k uses scales[8 h + 2 k + half] */
+        for (int j = 0; j < 8; j++)
+            for (int half = 0; half < 2; half++)
+                k_s[2 * j + half] = d * (float)sc[8 * (j / 4) + 2 * (j % 4) + half];
+    }
+}
+#endif
+
+/* quant_rows.c: out = x @ W^T for the types it has a SIMD path for; 0 where it has none (the
+ * caller then takes the portable path), 1 when done. */
+int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                    int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                    int out_dtype, int threads);
+static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
+    if (out_dtype == DT_F32)
+        ((float *)out)[idx] = v;
+    else
+        ((uint16_t *)out)[idx] = f32_to_bf16(v);
+}
+
+#endif

@@ -1,0 +1,396 @@
+/*
+ * The SIMD row kernels for small batches (quant_matmul with B <= FUSED_MAX_B per pass; the
+ * batch-1 decode step is this path): each weight row is decoded in registers while it is
+ * multiplied with up to 4 rows of x, so a row costs one pass over its blocks and no scratch.
+ * `TYPE` is a compile-time constant at every call site, so each type gets its own loop.
+ * See quant_kernels.c for the scheme (w = s * q + m per half, x as int16 per 32).
+ */
+#include <omp.h>
+
+#include "quant_blocks.h"
+
+#if QK_SIMD
+/* One sub-block's share: acc += (w . x per pair of int16) * scale, the scale per half (Q6_K) or
+ * one for all 32. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
+ * convert to float exactly. AVX-512 does the 32 values in one register, AVX2 in two. */
+#if defined(__AVX512BW__)
+typedef __m512 acc_t;
+typedef __m512i wide_t;
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
+ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
+    return TYPE == T_Q8_0 ? _mm512_cvtepi8_epi16(w) : _mm512_cvtepu8_epi16(w);
+}
+ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
+                            float s1) {
+    const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
+    const __m512 sv = per_half ? _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
+                               : _mm512_set1_ps(s0);
+    return _mm512_fmadd_ps(p, sv, acc);
+}
+#else
+typedef __m256 acc_t;
+typedef struct { __m256i lo, hi; } wide_t;
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return hsum8(a); }
+ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
+    const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+    wide_t out;
+    out.lo = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+    out.hi = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+    return out;
+}
+ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
+                            float s1) {
+    const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    if (!per_half)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), acc);
+}
+#endif
+
+/*
+ * K-quant rows (Q4_K, Q5_K, Q6_K). Per block of 256 the scales are vector work: Q4_K/Q5_K's
+ * eight 6-bit scales and mins unpack from their 12 bytes with integer ops on three words,
+ * Q6_K's sixteen int8 half-scales convert as two vectors; times d and x's per-32 scales they
+ * are parked on the stack, each sub-block then taking its scale by a broadcast (per half for
+ * Q6_K), and the offsets' share (mins, Q6_K's -32) is one or two vector FMAs per block into a
+ * second accumulator. Per sub-block what remains: the values out of their nibbles (and Q5_K's
+ * fifth bit, Q6_K's two high bits) in 16-bit lanes, vpmaddwd with x, a conversion and an FMA.
+ */
+#if defined(__AVX512BW__)
+typedef __m512i w32_t; /* 32 weight values as int16 */
+ALWAYS_INLINE w32_t w_load(const uint8_t *p) { return _mm512_cvtepu8_epi16(load32(p)); }
+ALWAYS_INLINE w32_t w_and(w32_t a, short m) { return _mm512_and_si512(a, _mm512_set1_epi16(m)); }
+ALWAYS_INLINE w32_t w_srl(w32_t a, int n) { return _mm512_srli_epi16(a, (unsigned)n); }
+ALWAYS_INLINE w32_t w_sll(w32_t a, int n) { return _mm512_slli_epi16(a, (unsigned)n); }
+ALWAYS_INLINE w32_t w_or(w32_t a, w32_t b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE __m512 w_dot(w32_t w, const int16_t *x) {
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
+}
+/* acc += w . x scaled by sd[j] (all 32) or by sd[2j], sd[2j + 1] (per half of 16). */
+ALWAYS_INLINE acc_t k_mac(int per_half, acc_t acc, w32_t w, const int16_t *x, const float *sd,
+                          int j) {
+    if (!per_half) return _mm512_fmadd_ps(w_dot(w, x), _mm512_set1_ps(sd[j]), acc);
+    const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                         2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j,
+                                         2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+    return _mm512_fmadd_ps(w_dot(w, x), _mm512_permutexvar_ps(idx, _mm512_load_ps(sd)), acc);
+}
+#else
+typedef struct { __m256i lo, hi; } w32_t;
+ALWAYS_INLINE w32_t w_load(const uint8_t *p) {
+    w32_t w = {_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)),
+               _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    return w;
+}
+ALWAYS_INLINE w32_t w_and(w32_t a, short m) {
+    const __m256i v = _mm256_set1_epi16(m);
+    w32_t w = {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+    return w;
+}
+ALWAYS_INLINE w32_t w_srl(w32_t a, int n) {
+    w32_t w = {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)};
+    return w;
+}
+ALWAYS_INLINE w32_t w_sll(w32_t a, int n) {
+    w32_t w = {_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)};
+    return w;
+}
+ALWAYS_INLINE w32_t w_or(w32_t a, w32_t b) {
+    w32_t w = {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)};
+    return w;
+}
+ALWAYS_INLINE acc_t k_mac(int per_half, acc_t acc, w32_t w, const int16_t *x, const float *sd,
+                          int j) {
+    const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    if (!per_half)
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                               _mm256_set1_ps(sd[j]), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sd[2 * j]), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(sd[2 * j + 1]), acc);
+}
+#endif
+
+ALWAYS_INLINE __m256 bytes8_to_f32(uint64_t v, int is_signed) {
+    const __m128i b = _mm_cvtsi64_si128((long long)v);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+/* Q4_K/Q5_K: sd[i][j] = d * sc_j * xd_j; macc[i] -= dmin * mn_j * xs32_j (the mins' share). */
+ALWAYS_INLINE void k4_scales(int NB, const uint8_t *blk, const xquant_t *xq, int64_t first,
+                             int64_t nsub, float (*sd)[16], __m256 *macc) {
+    uint32_t a, b, c; /* scales[0..3]: sc 0-3 (+ high bits of sc 4-7), [4..7]: mins likewise */
+    memcpy(&a, blk + 4, 4);
+    memcpy(&b, blk + 8, 4);
+    memcpy(&c, blk + 12, 4); /* [8..11]: low nibble sc 4-7, high nibble mins 4-7 */
+    const uint64_t sc = (a & 0x3F3F3F3Fu) |
+                        (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (b & 0x3F3F3F3Fu) |
+                        (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(half_to_f32(blk)), bytes8_to_f32(sc, 0));
+    const __m256 m = _mm256_mul_ps(_mm256_set1_ps(half_to_f32(blk + 2)), bytes8_to_f32(mn, 0));
+    for (int i = 0; i < NB; i++) {
+        const int64_t o = i * nsub + first;
+        _mm256_store_ps(sd[i], _mm256_mul_ps(s, _mm256_loadu_ps(xq->d + o)));
+        macc[i] = _mm256_fnmadd_ps(m, _mm256_loadu_ps(xq->xs32 + o), macc[i]);
+    }
+}
+
+/* Q6_K: sd[i][h] = d * sc_h * xd (h: half of 16, xd of its 32); offsets -32 * s per half. */
+ALWAYS_INLINE void k6_scales(int NB, const uint8_t *blk, const xquant_t *xq, int64_t first,
+                             int64_t nsub, float (*sd)[16], __m256 *macc) {
+    uint64_t lo, hi;
+    memcpy(&lo, blk + 192, 8);
+    memcpy(&hi, blk + 200, 8);
+    const __m256 d = _mm256_set1_ps(half_to_f32(blk + 208));
+    const __m256 s0 = _mm256_mul_ps(d, bytes8_to_f32(lo, 1)), s1 = _mm256_mul_ps(d, bytes8_to_f32(hi, 1));
+    const __m256 m32 = _mm256_set1_ps(32.f);
+    for (int i = 0; i < NB; i++) {
+        const int64_t o = i * nsub + first;
+        const __m256 xd = _mm256_loadu_ps(xq->d + o);
+        _mm256_store_ps(sd[i], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(
+                                   xd, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))));
+        _mm256_store_ps(sd[i] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(
+                                       xd, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))));
+        const float *xs = xq->xs + 2 * o;
+        macc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(m32, s0), _mm256_loadu_ps(xs), macc[i]);
+        macc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(m32, s1), _mm256_loadu_ps(xs + 8), macc[i]);
+    }
+}
+
+/* Sub-block j's values: Q4_K/Q5_K from the nibbles of pair j / 2 (v, widened), Q5_K's fifth
+ * bit from qh (bit j of each byte); Q6_K from its low nibbles (l0 / l1) and two high bits. */
+ALWAYS_INLINE w32_t k45_values(int TYPE, w32_t v, w32_t qh, int j) {
+    w32_t w = (j & 1) ? w_srl(v, 4) : w_and(v, 0xF);
+    if (TYPE == T_Q5_K) w = w_or(w, w_and(j <= 4 ? w_sll(qh, 4 - j) : w_srl(qh, j - 4), 0x10));
+    return w;
+}
+ALWAYS_INLINE w32_t k6_values(w32_t l0, w32_t l1, w32_t qh, int k) {
+    const w32_t nib = k == 0 ? w_and(l0, 0xF) : k == 1 ? w_and(l1, 0xF)
+                    : k == 2 ? w_srl(l0, 4) : w_srl(l1, 4);
+    const w32_t top = k == 0 ? w_sll(qh, 4) : k == 1 ? w_sll(qh, 2) : k == 2 ? qh : w_srl(qh, 2);
+    return w_or(nib, w_and(top, 0x30));
+}
+
+ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq,
+                              int64_t b0, int64_t K, float *res) {
+    const int bytes = TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
+    const int64_t nsub = K / 32;
+    const xquant_t x = {xq->q + b0 * K, xq->d + b0 * nsub, xq->xs + b0 * (K / 16),
+                        xq->xs32 + b0 * nsub};
+    acc_t acc[FUSED_MAX_B];
+    __m256 macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) {
+        acc[i] = acc_zero();
+        macc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *blk = row + bi * bytes;
+        float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
+        if (TYPE == T_Q6_K)
+            k6_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
+        else
+            k4_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
+        if (TYPE == T_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                const w32_t l0 = w_load(blk + 64 * h), l1 = w_load(blk + 64 * h + 32);
+                const w32_t qh = w_load(blk + 128 + 32 * h);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const w32_t w = k6_values(l0, l1, qh, k);
+                    const int j = 4 * h + k;
+                    for (int i = 0; i < NB; i++)
+                        acc[i] = k_mac(1, acc[i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
+                }
+            }
+        } else {
+            const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
+            const w32_t qh = TYPE == T_Q5_K ? w_load(blk + 16) : w_load(qs); /* unused: Q4_K */
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const w32_t w = k45_values(TYPE, w_load(qs + 32 * (j / 2)), qh, j);
+                for (int i = 0; i < NB; i++)
+                    acc[i] = k_mac(0, acc[i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + hsum8(macc[i]);
+}
+
+ALWAYS_INLINE void fused_row(
+    int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
+    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
+                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) {
+        kquant_row(TYPE, NB, row, xq, b0, K, res);
+        return;
+    }
+    /* NB is a constant at each call: the accumulators stay in registers. */
+    acc_t acc[FUSED_MAX_B];
+    float macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) {
+        acc[i] = acc_zero();
+        macc[i] = 0.f;
+    }
+    float k_s[16], k_m[8];
+    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
+        const uint8_t *blk = row + blk_i * bytes;
+        fused_block_scales(TYPE, blk, k_s, k_m);
+        for (int j = 0; j < elems / 32; j++) {
+            const int64_t sub = blk_i * (elems / 32) + j;
+            float s[2], m[2];
+            const wide_t w = widen(TYPE, fused_sub(TYPE, blk, j, k_s, k_m, s, m));
+            for (int i = 0; i < NB; i++) {
+                const int64_t b = b0 + i;
+                const float xd = xq->d[b * (K / 32) + sub];
+                acc[i] = mac_sub(TYPE == T_Q6_K, acc[i], w, xq->q + b * K + 32 * sub,
+                                 s[0] * xd, s[1] * xd);
+                if (TYPE != T_Q8_0) {
+                    const float *xs = xq->xs + b * (K / 16) + 2 * sub;
+                    macc[i] += m[0] * xs[0] + m[1] * xs[1];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + macc[i];
+}
+
+#define FUSED_NB(T, NB)                                                                \
+    case NB:                                                                           \
+        fused_row(T, NB, row, xq, b0, K, res);                                         \
+        break;
+
+#define FUSED_CASE(T)                                                                  \
+    case T:                                                                            \
+        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {                              \
+            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;         \
+            float res[FUSED_MAX_B] = {0};                                                  \
+            switch (nb) { FUSED_NB(T, 1) FUSED_NB(T, 2) FUSED_NB(T, 3) FUSED_NB(T, 4) } \
+            for (int i = 0; i < nb; i++)                                               \
+                store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);          \
+        }                                                                              \
+        break;
+
+static void fused_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                       int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                       int out_dtype, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        switch (type) {
+            FUSED_CASE(T_Q4_0)
+            FUSED_CASE(T_Q4_1)
+            FUSED_CASE(T_Q8_0)
+            FUSED_CASE(T_Q4_K)
+            FUSED_CASE(T_Q5_K)
+            FUSED_CASE(T_Q6_K)
+        default: break;
+        }
+    }
+}
+
+#if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define QK_REPACK 1
+/*
+ * Rows of R4 / R8 times up to 4 rows of x. Per 16 sub-blocks: the 16 weight scales convert in
+ * one instruction, are multiplied by x's 16 scales and parked on the stack (each then feeds a
+ * broadcast), and the offsets' share m . xs32 is one vector FMA. Per sub-block what remains is
+ * a widen, a load of x, vpmaddwd, a conversion and an FMA.
+ */
+ALWAYS_INLINE void r_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
+                         int64_t K, float *res) {
+    const int64_t nsub = K / 32;
+    const uint8_t *d16 = row + (TYPE == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
+    __m512 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) acc[i] = macc[i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < nsub; g0 += 16) {
+        const int cnt = nsub - g0 < 16 ? (int)(nsub - g0) : 16;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d16 + 2 * g0));
+        float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
+        for (int i = 0; i < NB; i++) {
+            const int64_t b = b0 + i;
+            const __m512 xd = _mm512_maskz_loadu_ps(mask, xq->d + b * nsub + g0);
+            _mm512_store_ps(sd[i], _mm512_mul_ps(dv, xd));
+            if (TYPE == T_R4) {
+                const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m16 + 2 * g0));
+                macc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xq->xs32 + b * nsub + g0),
+                                          macc[i]);
+            }
+        }
+        for (int t = 0; t < cnt; t += (TYPE == T_R4 ? 2 : 1)) {
+            const int64_t sub = g0 + t;
+            __m512i w0, w1 = _mm512_setzero_si512();
+            if (TYPE == T_R4) {
+                const __m256i v = load32(row + 16 * sub); /* sub-blocks sub, sub + 1 */
+                w0 = _mm512_cvtepu8_epi16(low_nibbles(v));
+                w1 = _mm512_cvtepu8_epi16(high_nibbles(v));
+            } else {
+                w0 = _mm512_cvtepi8_epi16(load32(row + 32 * sub));
+            }
+            for (int i = 0; i < NB; i++) {
+                const int16_t *x = xq->q + (b0 + i) * K + 32 * sub;
+                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w0, _mm512_loadu_si512(x)));
+                acc[i] = _mm512_fmadd_ps(p0, _mm512_set1_ps(sd[i][t]), acc[i]);
+                if (TYPE == T_R4) {
+                    const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512(x + 32)));
+                    acc[i] = _mm512_fmadd_ps(p1, _mm512_set1_ps(sd[i][t + 1]), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
+}
+
+#define R_NB(T, NB)                                                                    \
+    case NB:                                                                           \
+        r_row(T, NB, row, xq, b0, K, res);                                             \
+        break;
+
+static void r_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
+                   int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
+            const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;
+            float res[FUSED_MAX_B] = {0};
+            if (type == T_R4) {
+                switch (nb) { R_NB(T_R4, 1) R_NB(T_R4, 2) R_NB(T_R4, 3) R_NB(T_R4, 4) }
+            } else {
+                switch (nb) { R_NB(T_R8, 1) R_NB(T_R8, 2) R_NB(T_R8, 3) R_NB(T_R8, 4) }
+            }
+            for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
+        }
+    }
+}
+#else
+#define QK_REPACK 0
+#endif
+
+/* Whether this build computes R4 / R8 rows on its fast path (else they take the portable one). */
+int quant_can_repack(void) { return QK_REPACK; }
+
+int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                    int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                    int out_dtype, int threads) {
+    if (type == T_R4 || type == T_R8) {
+#if QK_REPACK
+        r_rows(w, row_bytes, type, xq, B, N, K, out, out_stride, out_dtype, threads);
+        return 1;
+#else
+        return 0;
+#endif
+    }
+    fused_rows(w, row_bytes, type, xq, B, N, K, out, out_stride, out_dtype, threads);
+    return 1;
+}
+#else
+int quant_can_repack(void) { return 0; }
+#endif
