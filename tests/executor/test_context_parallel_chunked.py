@@ -1,6 +1,6 @@
 """Context parallelism on mp with chunked prefill: a 2,000-token prompt (600 with DCP too)
 prefilled in chunks of 256 beside the oracle prompts, a preemption, then the same again from
-the prefix cache; float32 greedy equals HF transformers (a file of its own: two xdist workers
+the prefix cache; float32 greedy equals HF transformers (a file of its own: the xdist workers
 share the suite's time)."""
 
 from __future__ import annotations

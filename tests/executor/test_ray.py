@@ -225,16 +225,26 @@ def test_speculative_decoding_on_every_ray_path(ray_cluster, echo_model, path_id
 # layout on one path at least, async scheduling on for one and off for the others (mp runs
 # every layout: test_context_parallel_mp.py). ray_v2 at TP=3 x DCP=3 was a case of its own:
 # the context groups' collectives run inside the workers, the same on every path.
+# ray_v2's case is PCP=2 x PP=2: its pipeline on the default model against HF as well (one
+# engine where two ran: test_ray_pipeline.py runs ray's PP=2 on the default model).
 CONTEXT_PARALLEL = {
     "pcp2": dict(tensor_parallel_size=1, prefill_context_parallel_size=2),
+    "pcp2-pp2": dict(tensor_parallel_size=1, prefill_context_parallel_size=2,
+                     pipeline_parallel_size=2),
     "tp3-dcp3": dict(tensor_parallel_size=3, decode_context_parallel_size=3),
 }
+
+
+def _handoff_paths(worker) -> tuple[int, int]:
+    from shardserve.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().shm_calls, get_pp_group().fallback_calls
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("path_id", "layout", "async_on"), [
     ("ray-actor-calls", "tp3-dcp3", False), ("ray-compiled-graph", "pcp2", True),
-    ("ray_v2", "pcp2", False)])
+    ("ray_v2", "pcp2-pp2", False)])
 def test_context_parallel_matches_hf(ray_cluster, default_model_path, hf_default_greedy,
                                      path_id, layout, async_on):
     import sys
@@ -248,6 +258,8 @@ def test_context_parallel_matches_hf(ray_cluster, default_model_path, hf_default
                **CONTEXT_PARALLEL[layout])
     try:
         assert_matches_hf(llm, hf_default_greedy)
+        if "pp" in layout:  # the stages' hand-off went through shared memory
+            assert llm.collective_rpc(_handoff_paths)[0][0] > 0
     finally:
         llm.shutdown()
     nothing_left(before)

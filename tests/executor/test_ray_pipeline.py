@@ -37,13 +37,13 @@ def _handoff_paths(worker) -> tuple[int, int]:
 
 @pytest.mark.slow
 # With stages, async scheduling changes nothing (scheduler.py). The default model once on each
-# backend, to keep the suite's time: `ray` through actor calls (PP=2, async) and ray_v2 (PP=2,
-# sync: its async is test_tp2_pp2_equals_uni[ray_v2-async]); the compiled graph's channels
-# carry the tiny model's stages (test_graph_pp3_equals_uni, test_tp2_pp2_equals_uni), and
-# mp's test_pipeline.py runs the default model at PP=2 and PP=3.
-@pytest.mark.parametrize(("mode", "pp", "async_on"),
-                         [("ray-actors", 2, True), ("ray_v2", 2, False)],
-                         ids=["ray-actors-2-async", "ray_v2-2-sync"])
+# backend, to keep the suite's time: `ray` through actor calls (PP=2, async) here, ray_v2
+# (PP=2 x PCP=2, sync: its async is test_tp2_pp2_equals_uni[ray_v2-async]) in test_ray.py's
+# test_context_parallel_matches_hf; the compiled graph's channels carry the tiny model's
+# stages (test_graph_pp3_equals_uni, test_tp2_pp2_equals_uni), and mp's test_pipeline.py runs
+# the default model at PP=2 and PP=3.
+@pytest.mark.parametrize(("mode", "pp", "async_on"), [("ray-actors", 2, True)],
+                         ids=["ray-actors-2-async"])
 def test_default_model_matches_hf(ray_cluster, hf_default_greedy, mode, pp, async_on):
     llm = LLM(dtype="float32", max_model_len=512, pipeline_parallel_size=pp,
               async_scheduling=async_on, worker_start_timeout_s=90, **MODES[mode])  # fmt: skip
