@@ -10,8 +10,7 @@
 #include "quant_blocks.h"
 
 #if QK_SIMD
-/* One sub-block's share: acc += (w . x per pair of int16) * scale, the scale per half (Q6_K) or
- * one for all 32. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
+/* One sub-block's share (Q4_0, Q4_1, Q8_0): acc += (w . x per pair of int16) * scale. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
  * convert to float exactly. AVX-512 does the 32 values in one register, AVX2 in two. */
 #if defined(__AVX512BW__)
 typedef __m512 acc_t;
@@ -21,12 +20,9 @@ static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
 ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
     return TYPE == T_Q8_0 ? _mm512_cvtepi8_epi16(w) : _mm512_cvtepu8_epi16(w);
 }
-ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
-                            float s1) {
+ALWAYS_INLINE acc_t mac_sub(acc_t acc, wide_t w, const int16_t *x, float scale) {
     const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x)));
-    const __m512 sv = per_half ? _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
-                               : _mm512_set1_ps(s0);
-    return _mm512_fmadd_ps(p, sv, acc);
+    return _mm512_fmadd_ps(p, _mm512_set1_ps(scale), acc);
 }
 #else
 typedef __m256 acc_t;
@@ -40,14 +36,10 @@ ALWAYS_INLINE wide_t widen(int TYPE, __m256i w) {
     out.hi = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
     return out;
 }
-ALWAYS_INLINE acc_t mac_sub(int per_half, acc_t acc, wide_t w, const int16_t *x, float s0,
-                            float s1) {
+ALWAYS_INLINE acc_t mac_sub(acc_t acc, wide_t w, const int16_t *x, float scale) {
     const __m256i p0 = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x));
     const __m256i p1 = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    if (!per_half)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(scale), acc);
 }
 #endif
 
@@ -221,15 +213,14 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
     for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + hsum8(macc[i]);
 }
 
+/* Q4_0, Q4_1, Q8_0 rows (the K-quants take kquant_row): a block is one sub-block of 32. */
 ALWAYS_INLINE void fused_row(
     int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0, int64_t K, float *res) {
-    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
-    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
-                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
     if (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) {
         kquant_row(TYPE, NB, row, xq, b0, K, res);
         return;
     }
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
     /* NB is a constant at each call: the accumulators stay in registers. */
     acc_t acc[FUSED_MAX_B];
     float macc[FUSED_MAX_B];
@@ -237,23 +228,15 @@ ALWAYS_INLINE void fused_row(
         acc[i] = acc_zero();
         macc[i] = 0.f;
     }
-    float k_s[16], k_m[8];
-    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
-        const uint8_t *blk = row + blk_i * bytes;
-        fused_block_scales(TYPE, blk, k_s, k_m);
-        for (int j = 0; j < elems / 32; j++) {
-            const int64_t sub = blk_i * (elems / 32) + j;
-            float s[2], m[2];
-            const wide_t w = widen(TYPE, fused_sub(TYPE, blk, j, k_s, k_m, s, m));
-            for (int i = 0; i < NB; i++) {
-                const int64_t b = b0 + i;
-                const float xd = xq->d[b * (K / 32) + sub];
-                acc[i] = mac_sub(TYPE == T_Q6_K, acc[i], w, xq->q + b * K + 32 * sub,
-                                 s[0] * xd, s[1] * xd);
-                if (TYPE != T_Q8_0) {
-                    const float *xs = xq->xs + b * (K / 16) + 2 * sub;
-                    macc[i] += m[0] * xs[0] + m[1] * xs[1];
-                }
+    for (int64_t sub = 0; sub < K / 32; sub++) {
+        float s[2], m[2];
+        const wide_t w = widen(TYPE, fused_sub(TYPE, row + sub * bytes, 0, NULL, NULL, s, m));
+        for (int i = 0; i < NB; i++) {
+            const int64_t b = b0 + i;
+            acc[i] = mac_sub(acc[i], w, xq->q + b * K + 32 * sub, s[0] * xq->d[b * (K / 32) + sub]);
+            if (TYPE != T_Q8_0) {
+                const float *xs = xq->xs + b * (K / 16) + 2 * sub;
+                macc[i] += m[0] * xs[0] + m[1] * xs[1];
             }
         }
     }
