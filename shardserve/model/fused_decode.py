@@ -1,8 +1,9 @@
 """A decode step through a stage's whole stack of quantized decoder layers in one C call
 (csrc/decode_layers.c, whose header lists the per-layer sequence).
 
-Applies to steps whose rows are all decodes, fewer than `DENSE_MIN_ROWS` of them (the rows the
-integer kernels serve: larger batches take the panel GEMM layer by layer), with one
+Applies to steps whose rows are all decodes, at most `rows_max` of them (the most rows every
+weight's product gives the row kernels, quantization.rows_max: larger batches take the panel
+GEMM layer by layer; a verify step of 1 + k speculative positions is such rows too), with one
 tensor-parallel rank (nothing to all-reduce between the products), the native kernels built,
 and every linear of every layer quantized, in up to three row segments (a Q4_K_M file's q/k/v
 mixes Q4_K and Q6_K). The C side calls the same kernels the layer-by-layer path calls, segment
@@ -23,7 +24,6 @@ import torch
 from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
 from shardserve.model import native_kernels
-from shardserve.model.quantization import DENSE_MIN_ROWS
 
 if TYPE_CHECKING:
     from shardserve.model.attention import AttentionMetadata
@@ -104,7 +104,7 @@ class FusedDecode:
     """The layer table of one stage, and the call that runs a decode step through it."""
 
     def __init__(self, layers: list[LlamaDecoderLayer], dtype: torch.dtype,
-                 table: ctypes.Array, takes_lora: bool) -> None:
+                 table: ctypes.Array, takes_lora: bool, rows_max: int) -> None:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.dtype = dtype
@@ -119,6 +119,7 @@ class FusedDecode:
         qkv_lora = attn.qkv_proj.lora
         self._lora_batch = None if qkv_lora is None else qkv_lora.batch
         self.takes_lora = takes_lora  # False: the adapters' slots do not fit the C side
+        self.rows_max = rows_max
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
@@ -127,11 +128,13 @@ class FusedDecode:
                 get_tp_group().world_size != 1 or \
                 not native_kernels.supports(dtype, torch.device("cpu")):
             return None
-        entries, takes_lora = [], True
+        entries, takes_lora, rows_max = [], True, 1 << 30
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             mats = [_matrix(m) for m in modules]
+            rows_max = min([rows_max] + [m.qweight.rows_max(dtype) for m in modules
+                                         if m.qweight is not None])
             loras = [_lora(m) for m in modules]
             takes_lora = takes_lora and all(entry is not None for entry in loras)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -145,7 +148,7 @@ class FusedDecode:
             entries.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
                                   None if bias is None else bias.data_ptr(), None, *mats,
                                   *(entry or _Lora() for entry in loras)))
-        return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora)
+        return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora, rows_max)
 
     def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
         """Whether this step can run fused: decode rows only, in flat order, few enough."""
@@ -153,7 +156,7 @@ class FusedDecode:
         return (
             g is not None and meta.prefill is None and g.query_index is None
             and meta.context is None  # context parallel attention runs layer by layer
-            and meta.output_index is None and meta.num_tokens < DENSE_MIN_ROWS
+            and meta.output_index is None and meta.num_tokens <= self.rows_max
             and x.dtype == self.dtype and x.device.type == "cpu"
             and (self.takes_lora or not self._lora_active())
         )

@@ -125,8 +125,8 @@ class MatmulLayer(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.qweight is not None and (self.packed is None or
-                                         x.numel() < quantization.DENSE_MIN_ROWS * x.shape[-1]):
+        if self.qweight is not None and (self.packed is None or x.numel() <=
+                                         self.qweight.rows_max(x.dtype) * x.shape[-1]):
             out = self.qweight.matmul(x, out_dtype)
             return out if bias is None else out.add_(bias)
         if self.packed is not None:

@@ -36,10 +36,27 @@ _REPACKED: dict[int, tuple[str, int, int]] = {R4: ("R4", 32, 20), R8: ("R8", 32,
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# From this many rows of x on, a product runs the panel GEMM (quant_gemm.c: weights decoded to
-# float32 once per call, reused by every row): the integer path pays a float scale per 32 weights
-# and row of x, which the GEMM does not (measured on AVX-512: the integer kernel wins up to 3).
-DENSE_MIN_ROWS = 4
+# Up to rows_max(...) rows of x a product runs the row kernels (quant_rows.c: a weight row
+# decoded in registers, multiplied with up to 8 rows of x a pass; FUSED_MAX_B in
+# csrc/quant_blocks.h), from one more on the panel GEMM (quant_gemm.c: weights decoded once per
+# call into float32 panels, or bfloat16 ones multiplied pairwise by vdpbf16ps on AVX512_BF16).
+# Measured on AVX-512 (random blocks, 2 threads; GEMM time over rows time): at 5 rows the rows
+# win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
+# always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
+# still win at 32 (0.75-0.98x: their panels decode slowly).
+ROWS_MAX_BF16 = 5
+ROWS_MAX_F32 = 8
+ROWS_MAX_F32_KQUANT = 32
+_KQUANTS = frozenset((12, 13, 14))
+
+
+def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
+    """The most rows of x whose product with a weight of this type takes the row kernels."""
+    if x_dtype != torch.float32:
+        return ROWS_MAX_BF16
+    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS else ROWS_MAX_F32
+
+
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
 
 
@@ -248,12 +265,19 @@ class QuantWeight:
         _, seg = self.segments[0]
         args = (seg.data.data_ptr(), seg.data.stride(0), seg.ggml_type, self.rows, self.cols)
         object.__setattr__(self, "_single", args if len(self.segments) == 1 else None)
+        object.__setattr__(self, "_rows_max", {
+            dtype: min(rows_max(seg.ggml_type, dtype) for _, seg in self.segments)
+            for dtype in _OUT_DTYPES})
+
+    def rows_max(self, x_dtype: torch.dtype) -> int:
+        """The most rows of x in x_dtype whose product takes the row kernels for every segment."""
+        return self._rows_max.get(x_dtype, ROWS_MAX_BF16)  # type: ignore[attr-defined]
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N] in out_dtype (default x's dtype)."""
         single = self._single  # type: ignore[attr-defined]
         dtype = out_dtype or x.dtype
-        if single is not None and x.dim() == 2 and x.shape[0] < DENSE_MIN_ROWS and \
+        if single is not None and x.dim() == 2 and x.shape[0] <= self.rows_max(x.dtype) and \
                 x.dtype in _OUT_DTYPES and dtype in _OUT_DTYPES and x.stride(1) == 1 and \
                 x.shape[1] == self.cols:
             out = torch.empty(x.shape[0], self.rows, dtype=dtype)
@@ -272,9 +296,9 @@ class QuantWeight:
             x2 = x2.float().contiguous()
         out = torch.empty(x2.shape[0], self.rows,
                           dtype=dtype if dtype in _OUT_DTYPES else torch.float32)
-        product = gemm_into if x2.shape[0] >= DENSE_MIN_ROWS else matmul_into
         for offset, seg in self.segments:
-            product(out.narrow(1, offset, seg.shape[0]), x2, seg)
+            rows = x2.shape[0] <= rows_max(seg.ggml_type, x2.dtype)
+            (matmul_into if rows else gemm_into)(out.narrow(1, offset, seg.shape[0]), x2, seg)
         out = out if out.dtype == dtype else out.to(dtype)
         return out.view(*lead, self.rows)
 

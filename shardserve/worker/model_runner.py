@@ -317,7 +317,7 @@ class ModelRunner:
         A verifying request's positions go to attention as decode rows, each over the context
         up to itself: every row's K/V is written before any row attends (in the layer-by-layer
         path and in the fused one alike), so that is causal attention, and a verify step of
-        1 + d positions runs the decode kernels (fused, below DENSE_MIN_ROWS rows) as d + 1
+        1 + d positions runs the decode kernels (fused, up to the row kernels' rows_max) as d + 1
         decodes would, bit for bit."""
         tokens: list[int] = []
         rows_q: list[int] = []

@@ -29,14 +29,14 @@ def load(path: Path, dtype: torch.dtype, quantization: str) -> LlamaForCausalLM:
 
 def run_steps(model: LlamaForCausalLM, fused: bool, vocab: int,
               lora_slots: dict[str, int] | None = None) -> tuple[list, list]:
-    """Prefill three requests, then decode steps of 3, 2 and 1 rows; every step's logits and
-    the caches after them. With `lora_slots`, each request's tokens use that adapter slot."""
+    """Prefill five requests, then decode steps of 5 (a verify step's 1 + 4 positions are as
+    many rows), 3, 2 and 1 rows; every step's logits and the caches after them. With `lora_slots`, each request's tokens use that adapter slot."""
     model.model.reset_fused()
     if not fused:
         model.model._fused = None
     runner = PagedRunner(model, block_size=4, num_blocks=64, check_last_rows=False)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 12, 3)]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 12, 3, 5, 9)]
     def step(reqs: list[tuple[str, list[int]]]) -> list:
         if lora_slots is not None:
             assert model.lora_batch is not None
@@ -44,7 +44,7 @@ def run_steps(model: LlamaForCausalLM, fused: bool, vocab: int,
         return runner.step(reqs)
 
     logits = step([(f"r{i}", p) for i, p in enumerate(prompts)])
-    for rows in ([0, 1, 2], [0, 1, 2], [1, 2], [2], [0], [0, 2], [0, 1, 2]):
+    for rows in ([0, 1, 2, 3, 4], [0, 1, 2], [1, 2], [2], [0], [0, 2, 3, 4], [0, 1, 2]):
         logits = step([(f"r{i}", [(int(logits[0][-1].argmax()) + i) % vocab]) for i in rows])
     return logits, runner.caches
 
@@ -54,6 +54,7 @@ def assert_identical(model: LlamaForCausalLM, vocab: int,
     want, want_caches = run_steps(model, fused=False, vocab=vocab, lora_slots=lora_slots)
     got, got_caches = run_steps(model, fused=True, vocab=vocab, lora_slots=lora_slots)
     assert isinstance(model.model._fused, FusedDecode), "the fused path was not taken"
+    assert model.model._fused.rows_max >= 5  # the 5-row steps ran fused too
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(want_caches, got_caches, strict=True):
@@ -86,7 +87,7 @@ def test_lora_adapters_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dtype) -
         for weights in entry.values():
             weights.a.copy_(torch.randn(weights.a.shape, generator=g) * 0.3)
             weights.bt.copy_(torch.randn(weights.bt.shape, generator=g) * 0.3)
-    slots = {"r0": 0, "r1": -1, "r2": 1}
+    slots = {"r0": 0, "r1": -1, "r2": 1, "r3": 1, "r4": -1}
     assert_identical(model, model.arch.vocab_size, slots)
     assert model.model._fused.takes_lora  # type: ignore[union-attr]  # and it took them
     base, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size,

@@ -2,11 +2,11 @@
 level's quantized kernels against the portable build's.
 
 For each quantized weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K from random blocks; int8 = per
-output channel in the Q8_0 layout), each level this CPU runs besides portable, and each entry
-point in ENTRY_POINTS, the result under that level's library is compared with the portable
-build's on the same blocks and x (1, 3 and 5 rows; float32 and bfloat16). The weight is built
-under each level, so where a level repacks (AVX-512: Q4_0 / Q4_1 as R4, Q8_0 and int8 as R8)
-its R4 / R8 kernels are what runs. How close each must be depends on what was computed
+output channel in the Q8_0 layout), each level this CPU runs besides portable, and each entry point
+in ENTRY_POINTS, the result under that level's library is compared with the portable build's on the
+same blocks and x (1, 5 and 11 rows: row-kernel passes of 1, 5 and 8 + 3; float32 and bfloat16). The
+weight is built under each level, so where a level repacks (AVX-512: Q4_0 / Q4_1 as R4, Q8_0 and
+int8 as R8) its R4 / R8 kernels are what runs. How close each must be depends on what was computed
 (`kind`, the looser of the two sides'):
 - EXACT, bit for bit: the dequantized weights. Every level decodes a block to the same integers
   and scales and computes s * q + m once per element; s * q is exact in float32 (an fp16 scale,
@@ -57,9 +57,9 @@ def gemm_kind(x: torch.Tensor) -> int:
 
 
 def matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
-    """QuantWeight.matmul as the model calls it: quant_matmul below DENSE_MIN_ROWS rows of x,
-    quant_gemm from there on."""
-    return w.matmul(x), REORDERED if x.shape[0] < q.DENSE_MIN_ROWS else gemm_kind(x)
+    """QuantWeight.matmul as the model calls it: quant_matmul up to rows_max rows of x,
+    quant_gemm past them."""
+    return w.matmul(x), REORDERED if x.shape[0] <= w.rows_max(x.dtype) else gemm_kind(x)
 
 
 def quant_matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
@@ -148,7 +148,7 @@ def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: to
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("weight", WEIGHTS)
 @pytest.mark.parametrize("level", LEVELS)

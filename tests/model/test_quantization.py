@@ -4,12 +4,12 @@ dequantization, on random blocks of every kept GGUF type.
 Oracle: `gguf.quants.dequantize` (numpy, llama.cpp's reference written again in Python), then a
 float64 matmul. What each path must meet:
 - the embedding lookup (`dequantize_rows`) equals the gguf values bit for bit;
-- the integer path (1-3 rows of x) quantizes x per 32 values to int16, so it is compared with
-  the reference on an x that int16 represents exactly (each block an integer vector times a
-  power of two, holding +-32767): there it must agree to float32 rounding (relative 1e-5 of the
-  largest output); on a random x the activation rounding adds ~1e-5 (1e-4 asserted; bfloat16
+- the integer path (up to quantization.rows_max rows of x) quantizes x per 32 values to int16, so it
+  is compared with the reference on an x that int16 represents exactly (each block an integer vector
+  times a power of two, holding +-32767): there it must agree to float32 rounding (relative 1e-5 of
+  the largest output); on a random x the activation rounding adds ~1e-5 (1e-4 asserted; bfloat16
   inputs and outputs 1e-2);
-- from DENSE_MIN_ROWS rows on, the panel GEMM (csrc/quant_gemm.c: weights decoded to float32,
+- past rows_max rows, the panel GEMM (csrc/quant_gemm.c: weights decoded to float32,
   x not quantized): float32 agrees to 1e-5, bfloat16 (x and the output rounded) to 1e-2.
 Each is run on the native build and on the AVX2 (x86-64-v3) and portable (x86-64-v2) builds.
 """
@@ -89,7 +89,7 @@ def test_integer_path_is_exact_where_int16_holds_x(kernels, ggml_type, rows):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
-@pytest.mark.parametrize("rows", [1, 3, q.DENSE_MIN_ROWS, 17])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 33])  # either side of every rows_max
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype):
     w = random_blocks(ggml_type, 48, 512, seed=100 + ggml_type)
@@ -98,7 +98,7 @@ def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype
     got = weight.matmul(x)
     assert got.dtype == dtype and got.shape == (rows, 48)
     want = x.double() @ reference(w).double().T
-    gemm = rows >= q.DENSE_MIN_ROWS  # float32 panels, every type and build (repacked rows too)
+    gemm = rows > q.rows_max(ggml_type, dtype)  # float32 panels, every type and build
     limit = 1e-2 if dtype == torch.bfloat16 else 1e-5 if gemm else 1e-4
     assert rel_err(got, want) < limit
 

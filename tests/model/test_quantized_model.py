@@ -25,7 +25,7 @@ from shardserve.engine.config_builder import model_config_for
 from shardserve.model import native_kernels
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, load_tokenizer, read_arch
-from shardserve.model.quantization import DENSE_MIN_ROWS, QuantWeight
+from shardserve.model.quantization import ROWS_MAX_BF16, QuantWeight
 from tests.entrypoints.pp_oracle import CHAT_PROMPTS, RAW_PROMPTS
 from tests.model.test_llama import PagedRunner
 
@@ -76,13 +76,13 @@ def reference_logits(reference, sequences) -> list[torch.Tensor]:
 def teacher_forced(model: LlamaForCausalLM, seqs: list[list[int]], one_by_one: bool
                    ) -> list[torch.Tensor]:
     """Each sequence's logits over its first POSITIONS tokens: one prefill each, or token by
-    token, a few sequences a step (fewer rows than DENSE_MIN_ROWS: the integer decode path)."""
+    token, a few sequences a step (at most ROWS_MAX_BF16: the integer decode path in any dtype)."""
     if not one_by_one:
         return [PagedRunner(model, block_size=16, num_blocks=64, check_last_rows=False)
                 .step([("r", seq[:POSITIONS])])[0] for seq in seqs]
     out = []
-    for start in range(0, len(seqs), DENSE_MIN_ROWS - 1):
-        group = seqs[start:start + DENSE_MIN_ROWS - 1]
+    for start in range(0, len(seqs), ROWS_MAX_BF16):
+        group = seqs[start:start + ROWS_MAX_BF16]
         runner = PagedRunner(model, block_size=16, num_blocks=64 * len(group),
                              check_last_rows=False)
         steps = [runner.step([(str(i), [seq[p]]) for i, seq in enumerate(group)])

@@ -99,7 +99,7 @@ typedef struct {
 } xquant_t;
 
 /* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
-#define FUSED_MAX_B 4
+#define FUSED_MAX_B 8
 
 #if QK_SIMD
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xF)); }

@@ -253,7 +253,8 @@ ALWAYS_INLINE void fused_row(
         for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {                              \
             const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;         \
             float res[FUSED_MAX_B] = {0};                                                  \
-            switch (nb) { FUSED_NB(T, 1) FUSED_NB(T, 2) FUSED_NB(T, 3) FUSED_NB(T, 4) } \
+            switch (nb) { FUSED_NB(T, 1) FUSED_NB(T, 2) FUSED_NB(T, 3) FUSED_NB(T, 4)         \
+                          FUSED_NB(T, 5) FUSED_NB(T, 6) FUSED_NB(T, 7) FUSED_NB(T, 8) } \
             for (int i = 0; i < nb; i++)                                               \
                 store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);          \
         }                                                                              \
@@ -345,9 +346,11 @@ static void r_rows(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
             const int nb = B - b0 < FUSED_MAX_B ? (int)(B - b0) : FUSED_MAX_B;
             float res[FUSED_MAX_B] = {0};
             if (type == T_R4) {
-                switch (nb) { R_NB(T_R4, 1) R_NB(T_R4, 2) R_NB(T_R4, 3) R_NB(T_R4, 4) }
+                switch (nb) { R_NB(T_R4, 1) R_NB(T_R4, 2) R_NB(T_R4, 3) R_NB(T_R4, 4)
+                              R_NB(T_R4, 5) R_NB(T_R4, 6) R_NB(T_R4, 7) R_NB(T_R4, 8) }
             } else {
-                switch (nb) { R_NB(T_R8, 1) R_NB(T_R8, 2) R_NB(T_R8, 3) R_NB(T_R8, 4) }
+                switch (nb) { R_NB(T_R8, 1) R_NB(T_R8, 2) R_NB(T_R8, 3) R_NB(T_R8, 4)
+                              R_NB(T_R8, 5) R_NB(T_R8, 6) R_NB(T_R8, 7) R_NB(T_R8, 8) }
             }
             for (int i = 0; i < nb; i++) store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);
         }
