@@ -121,7 +121,7 @@ def isa() -> str:
 
 def quant_dense_batches() -> bool:
     """SHARDSERVE_QUANT_DENSE_BATCHES=1: with quantized weights, also keep a prepacked dense copy
-    (the model's dtype) for steps of 4 or more rows (opt-in: it costs the memory of the
+    (the model's dtype) for steps past the row kernels' rows (opt-in: it costs the memory of the
     unquantized model, ~10x a Q4 file in float32; default off = the panel GEMM from the blocks,
     csrc/quant_gemm.c)."""
     return _get_bool("SHARDSERVE_QUANT_DENSE_BATCHES", False)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardserve import envs
 from shardserve.config.checks import check
 from shardserve.config.model_arch import ModelArch
 from shardserve.config.pooler import resolve_runner
@@ -33,7 +34,11 @@ QUANTIZATIONS = ("auto", "gguf", "int8", "none")
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX); else fp32 is faster."""
+    """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX); else fp32 is faster.
+    False where SHARDSERVE_ISA holds the kernels to a level without it (avx2, portable): dtype
+    auto then picks what a CPU of that level would."""
+    if envs.isa() != "native":
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -50,6 +50,8 @@ QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 ROWS_SOURCE = Path(__file__).parent / "csrc" / "quant_rows.c"
 # And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
 GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+# And the weight rows it decodes into its panels.
+PANEL_SOURCE = Path(__file__).parent / "csrc" / "quant_decode.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
 # And the LoRA adapters' share of a projection, grouped by adapter slot (model/lora.py).
@@ -124,8 +126,8 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c, quant_rows.c, quant_gemm.c, decode_layers.c, lora_kernels.c and
-    cp_attention.c are always compiled in beside `source`."""
+    csrc/quant_kernels.c, quant_rows.c, quant_gemm.c, quant_decode.c, decode_layers.c,
+    lora_kernels.c and cp_attention.c are always compiled in beside `source`."""
     lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     lib.arch_flags = arch_flags  # isa_report names the level by them
@@ -148,8 +150,8 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, GEMM_SOURCE, DECODE_SOURCE, LORA_SOURCE,
-               CP_SOURCE)
+    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE,
+               LORA_SOURCE, CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():

@@ -30,7 +30,8 @@ def load(path: Path, dtype: torch.dtype, quantization: str) -> LlamaForCausalLM:
 def run_steps(model: LlamaForCausalLM, fused: bool, vocab: int,
               lora_slots: dict[str, int] | None = None) -> tuple[list, list]:
     """Prefill five requests, then decode steps of 5 (a verify step's 1 + 4 positions are as
-    many rows), 3, 2 and 1 rows; every step's logits and the caches after them. With `lora_slots`, each request's tokens use that adapter slot."""
+    many rows), 3, 2 and 1 rows; every step's logits and the caches after them. With
+    `lora_slots`, each request's tokens use that adapter slot."""
     model.model.reset_fused()
     if not fused:
         model.model._fused = None

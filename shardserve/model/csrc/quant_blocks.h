@@ -98,6 +98,17 @@ typedef struct {
     float *xs32; /* [B, K/32]: xs of both halves */
 } xquant_t;
 
+/* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the
+ * offset m (w = s * q + m); q is int8 for Q8_0 (`is_signed`), else 0..63 as uint8. */
+typedef struct {
+    uint8_t *q;  /* [K] */
+    float *s;    /* [K / 16] */
+    float *m;    /* [K / 16] */
+} row_t;
+
+/* The portable decoding of one weight row (quant_kernels.c; quant_decode.c falls back on it). */
+void decode_row(const uint8_t *w, int64_t K, int type, row_t *r);
+
 /* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
 #define FUSED_MAX_B 8
 
@@ -159,23 +170,39 @@ ALWAYS_INLINE __m256i fused_sub(
     return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
 }
 
+ALWAYS_INLINE __m256 bytes8_to_f32(uint64_t v, int is_signed) {
+    const __m128i b = _mm_cvtsi64_si128((long long)v);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+/* Q4_K/Q5_K: the eight 6-bit scales and mins of a block, one per byte, with integer ops on the
+ * three words that hold them (scale_min_k4's arithmetic for all eight at once). */
+ALWAYS_INLINE void k4_unpack(const uint8_t *blk, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c; /* scales[0..3]: sc 0-3 (+ high bits of sc 4-7), [4..7]: mins likewise */
+    memcpy(&a, blk + 4, 4);
+    memcpy(&b, blk + 8, 4);
+    memcpy(&c, blk + 12, 4); /* [8..11]: low nibble sc 4-7, high nibble mins 4-7 */
+    *sc = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *mn = (b & 0x3F3F3F3Fu) |
+          (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
 /* A K-quant block's sub-block scales (8 for Q4_K/Q5_K, 16 half-scales for Q6_K). */
 ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, float *k_m) {
     if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
-        for (int j = 0; j < 8; j++) {
-            uint8_t sc, mn;
-            scale_min_k4(j, blk + 4, &sc, &mn);
-            k_s[j] = d * (float)sc;
-            k_m[j] = -dmin * (float)mn;
-        }
+        uint64_t sc, mn;
+        k4_unpack(blk, &sc, &mn);
+        _mm256_storeu_ps(k_s, _mm256_mul_ps(_mm256_set1_ps(half_to_f32(blk)), bytes8_to_f32(sc, 0)));
+        _mm256_storeu_ps(k_m, _mm256_mul_ps(_mm256_set1_ps(-half_to_f32(blk + 2)),
+                                            bytes8_to_f32(mn, 0)));
     } else if (TYPE == T_Q6_K) {
-        const float d = half_to_f32(blk + 208);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        /* sub-block j = 4 h + k uses scales[8 h + 2 k + half] */
-        for (int j = 0; j < 8; j++)
-            for (int half = 0; half < 2; half++)
-                k_s[2 * j + half] = d * (float)sc[8 * (j / 4) + 2 * (j % 4) + half];
+        /* sub-block j = 4 h + k uses scales[8 h + 2 k + half] = scales[2 j + half] */
+        uint64_t lo, hi;
+        memcpy(&lo, blk + 192, 8);
+        memcpy(&hi, blk + 200, 8);
+        const __m256 d = _mm256_set1_ps(half_to_f32(blk + 208));
+        _mm256_storeu_ps(k_s, _mm256_mul_ps(d, bytes8_to_f32(lo, 1)));
+        _mm256_storeu_ps(k_s + 8, _mm256_mul_ps(d, bytes8_to_f32(hi, 1)));
     }
 }
 #endif

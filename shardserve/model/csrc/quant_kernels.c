@@ -41,13 +41,6 @@
 
 #include "quant_blocks.h"
 
-/* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the
- * offset m (w = s * q + m); q is int8 for Q8_0 (`is_signed`), else 0..63 as uint8. */
-typedef struct {
-    uint8_t *q;  /* [K] */
-    float *s;    /* [K / 16] */
-    float *m;    /* [K / 16] */
-} row_t;
 
 static void set_halves(row_t *r, int64_t sub, float s, float m) {
     r->s[2 * sub] = r->s[2 * sub + 1] = s;
@@ -150,7 +143,7 @@ static void decode_r_row(const uint8_t *w, int64_t K, int type, row_t *r) {
 }
 
 /* Decode one weight row of K elements (K a multiple of the type's block). */
-static void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
+void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     if (type == T_R4 || type == T_R8) {
         decode_r_row(w, K, type, r);
         return;
@@ -221,124 +214,6 @@ static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
     for (int64_t b = 0; b < B; b++)
         store_out(out, b * out_stride + n, dot_row_scalar(r, xq, b, K, is_signed), out_dtype);
-}
-
-#if QK_SIMD
-/* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
-static inline __m128i f32x8_to_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-/* One weight row of K elements as float32 / bfloat16 (s * q + m in one fused rounding). */
-ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, void *out,
-                                    int out_dtype) {
-    const int elems = (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) ? 256 : 32;
-    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
-                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
-    float k_s[16], k_m[8];
-    for (int64_t blk_i = 0; blk_i < K / elems; blk_i++) {
-        const uint8_t *blk = row + blk_i * bytes;
-        fused_block_scales(TYPE, blk, k_s, k_m);
-        for (int j = 0; j < elems / 32; j++) {
-            const int64_t base = (blk_i * (elems / 32) + j) * 32;
-            float s[2], m[2];
-            const __m256i w = fused_sub(TYPE, blk, j, k_s, k_m, s, m);
-            for (int g = 0; g < 4; g++) {
-                const __m128i part = g < 2 ? _mm256_castsi256_si128(w) : _mm256_extracti128_si256(w, 1);
-                const __m128i bytes8 = (g & 1) ? _mm_srli_si128(part, 8) : part;
-                const __m256i ints = TYPE == T_Q8_0 ? _mm256_cvtepi8_epi32(bytes8)
-                                                    : _mm256_cvtepu8_epi32(bytes8);
-                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s[g / 2]),
-                                                 _mm256_set1_ps(m[g / 2]));
-                if (out_dtype == DT_F32)
-                    _mm256_storeu_ps((float *)out + base + 8 * g, v);
-                else
-                    _mm_storeu_si128((__m128i *)((uint16_t *)out + base + 8 * g), f32x8_to_bf16(v));
-            }
-        }
-    }
-}
-
-#endif
-
-/*
- * Elements [k0, k0 + kc) of one weight row of K as float32 or bfloat16 (w = s * q + m, rounded
- * once), for the batched GEMM (quant_gemm.c): k0 and kc whole blocks, kc <= QDECODE_MAX. The GGML types decode from
- * their blocks (with AVX2, in registers; else through decode_row); the repacked R4 / R8 rows keep
- * their scales at the row's end, so they are read where they lie.
- */
-static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                             float *out) {
-    if (type == T_R4 || type == T_R8) {
-        const uint8_t *d16 = row + (type == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
-        for (int64_t sub = k0 / 32; sub < (k0 + kc) / 32; sub++) {
-            const float d = half_to_f32(d16 + 2 * sub);
-            const float m = type == T_R4 ? half_to_f32(m16 + 2 * sub) : 0.f;
-            float *o = out + 32 * sub - k0;
-            if (type == T_R8) {
-                const int8_t *q = (const int8_t *)row + 32 * sub;
-                for (int l = 0; l < 32; l++) o[l] = d * (float)q[l];
-            } else {
-                const uint8_t *nib = row + 32 * (sub / 2);
-                const int hi = (int)(sub & 1) * 4;
-                for (int l = 0; l < 32; l++) o[l] = d * (float)((nib[l] >> hi) & 0xF) + m;
-            }
-        }
-        return;
-    }
-    int elems = 32, bytes = 0;
-    block_shape(type, &elems, &bytes);
-    const uint8_t *first = row + k0 / elems * bytes;
-#if QK_SIMD
-    switch (type) {
-    case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_F32); return;
-    case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_F32); return;
-    case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_F32); return;
-    case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_F32); return;
-    case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_F32); return;
-    case T_Q6_K: fast_dequant_row(T_Q6_K, first, kc, out, DT_F32); return;
-    default: return;
-    }
-#else
-    uint8_t q[QDECODE_MAX];
-    float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
-    row_t r = {q, s, m};
-    decode_row(first, kc, type, &r);
-    const int is_signed = type == T_Q8_0;
-    for (int64_t k = 0; k < kc; k++) {
-        const float v = is_signed ? (float)(int8_t)q[k] : (float)q[k];
-        out[k] = s[k / 16] * v + m[k / 16];
-    }
-#endif
-}
-
-void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                        void *out, int out_dtype) {
-#if QK_SIMD
-    if (type != T_R4 && type != T_R8 && out_dtype == DT_BF16) {
-        int elems = 32, bytes = 0;
-        block_shape(type, &elems, &bytes);
-        const uint8_t *first = row + k0 / elems * bytes;
-        switch (type) {
-        case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_BF16); return;
-        case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_BF16); return;
-        case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_BF16); return;
-        case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_BF16); return;
-        case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_BF16); return;
-        default: fast_dequant_row(T_Q6_K, first, kc, out, DT_BF16); return;
-        }
-    }
-#endif
-    if (out_dtype == DT_F32) {
-        decode_chunk_f32(type, row, K, k0, kc, (float *)out);
-        return;
-    }
-    float tmp[QDECODE_MAX];
-    decode_chunk_f32(type, row, K, k0, kc, tmp);
-    for (int64_t k = 0; k < kc; k++) ((uint16_t *)out)[k] = f32_to_bf16(tmp[k]);
 }
 
 /* quant_gemm.c's view of block_shape. */

@@ -107,22 +107,11 @@ ALWAYS_INLINE acc_t k_mac(int per_half, acc_t acc, w32_t w, const int16_t *x, co
 }
 #endif
 
-ALWAYS_INLINE __m256 bytes8_to_f32(uint64_t v, int is_signed) {
-    const __m128i b = _mm_cvtsi64_si128((long long)v);
-    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-}
-
 /* Q4_K/Q5_K: sd[i][j] = d * sc_j * xd_j; macc[i] -= dmin * mn_j * xs32_j (the mins' share). */
 ALWAYS_INLINE void k4_scales(int NB, const uint8_t *blk, const xquant_t *xq, int64_t first,
                              int64_t nsub, float (*sd)[16], __m256 *macc) {
-    uint32_t a, b, c; /* scales[0..3]: sc 0-3 (+ high bits of sc 4-7), [4..7]: mins likewise */
-    memcpy(&a, blk + 4, 4);
-    memcpy(&b, blk + 8, 4);
-    memcpy(&c, blk + 12, 4); /* [8..11]: low nibble sc 4-7, high nibble mins 4-7 */
-    const uint64_t sc = (a & 0x3F3F3F3Fu) |
-                        (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = (b & 0x3F3F3F3Fu) |
-                        (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+    uint64_t sc, mn;
+    k4_unpack(blk, &sc, &mn);
     const __m256 s = _mm256_mul_ps(_mm256_set1_ps(half_to_f32(blk)), bytes8_to_f32(sc, 0));
     const __m256 m = _mm256_mul_ps(_mm256_set1_ps(half_to_f32(blk + 2)), bytes8_to_f32(mn, 0));
     for (int i = 0; i < NB; i++) {
