@@ -125,8 +125,45 @@ static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0
 #endif
 }
 
+#if QK_SIMD && defined(__AVX512F__)
+/* R4 / R8 rows (only AVX-512 builds repack): 16 values per instruction, scales where they lie;
+ * the same arithmetic as decode_chunk_f32's (w = d * q + m fused, R8's d * q). */
+static void decode_r_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
+                           void *out, int out_dtype) {
+    const uint8_t *d16 = row + (type == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
+    for (int64_t sub = k0 / 32; sub < (k0 + kc) / 32; sub++) {
+        const __m512 d = _mm512_set1_ps(half_to_f32(d16 + 2 * sub));
+        const __m512 m = _mm512_set1_ps(type == T_R4 ? half_to_f32(m16 + 2 * sub) : 0.f);
+        for (int g = 0; g < 2; g++) {
+            __m512 v;
+            if (type == T_R8) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(row + 32 * sub + 16 * g));
+                v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+            } else { /* nibble byte 32 p + l: sub-block 2 p low, 2 p + 1 high */
+                const __m512i b = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(row + 32 * (sub / 2) + 16 * g)));
+                const __m512i q = _mm512_and_si512(sub & 1 ? _mm512_srli_epi32(b, 4) : b,
+                                                   _mm512_set1_epi32(0xF));
+                v = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+            }
+            const int64_t at = 32 * sub - k0 + 16 * g;
+            if (out_dtype == DT_F32)
+                _mm512_storeu_ps((float *)out + at, v);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), f32x16_to_bf16(v));
+        }
+    }
+}
+#endif
+
 void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
                         void *out, int out_dtype) {
+#if QK_SIMD && defined(__AVX512F__)
+    if (type == T_R4 || type == T_R8) {
+        decode_r_chunk(type, row, K, k0, kc, out, out_dtype);
+        return;
+    }
+#endif
 #if QK_SIMD
     if (type != T_R4 && type != T_R8 && out_dtype == DT_BF16) {
         int elems = 32, bytes = 0;
