@@ -76,9 +76,9 @@ ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, voi
 
 /*
  * Elements [k0, k0 + kc) of one weight row of K as float32 or bfloat16 (w = s * q + m, rounded
- * once): k0 and kc whole blocks, kc <= QDECODE_MAX. The GGML types decode from their blocks
- * (with AVX2, in registers; else through decode_row); the repacked R4 / R8 rows keep their
- * scales at the row's end, so they are read where they lie.
+ * once): k0 and kc whole blocks, kc <= QDECODE_MAX. The portable path (quant_decode_chunk
+ * takes the SIMD ones first): the GGML types through decode_row; the repacked R4 / R8 rows keep
+ * their scales at the row's end, so they are read where they lie.
  */
 static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
                              float *out) {
@@ -102,17 +102,6 @@ static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0
     int elems = 32, bytes = 0;
     block_shape(type, &elems, &bytes);
     const uint8_t *first = row + k0 / elems * bytes;
-#if QK_SIMD
-    switch (type) {
-    case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_F32); return;
-    case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_F32); return;
-    case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_F32); return;
-    case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_F32); return;
-    case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_F32); return;
-    case T_Q6_K: fast_dequant_row(T_Q6_K, first, kc, out, DT_F32); return;
-    default: return;
-    }
-#else
     uint8_t q[QDECODE_MAX];
     float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
     row_t r = {q, s, m};
@@ -122,7 +111,6 @@ static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0
         const float v = is_signed ? (float)(int8_t)q[k] : (float)q[k];
         out[k] = s[k / 16] * v + m[k / 16];
     }
-#endif
 }
 
 #if QK_SIMD && defined(__AVX512F__)
@@ -165,17 +153,17 @@ void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int
     }
 #endif
 #if QK_SIMD
-    if (type != T_R4 && type != T_R8 && out_dtype == DT_BF16) {
+    if (type != T_R4 && type != T_R8) { /* the GGML types, decoded in registers */
         int elems = 32, bytes = 0;
         block_shape(type, &elems, &bytes);
         const uint8_t *first = row + k0 / elems * bytes;
         switch (type) {
-        case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, DT_BF16); return;
-        case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, DT_BF16); return;
-        case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, DT_BF16); return;
-        case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, DT_BF16); return;
-        case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, DT_BF16); return;
-        default: fast_dequant_row(T_Q6_K, first, kc, out, DT_BF16); return;
+        case T_Q4_0: fast_dequant_row(T_Q4_0, first, kc, out, out_dtype); return;
+        case T_Q4_1: fast_dequant_row(T_Q4_1, first, kc, out, out_dtype); return;
+        case T_Q8_0: fast_dequant_row(T_Q8_0, first, kc, out, out_dtype); return;
+        case T_Q4_K: fast_dequant_row(T_Q4_K, first, kc, out, out_dtype); return;
+        case T_Q5_K: fast_dequant_row(T_Q5_K, first, kc, out, out_dtype); return;
+        default: fast_dequant_row(T_Q6_K, first, kc, out, out_dtype); return;
         }
     }
 #endif
