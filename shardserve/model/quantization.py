@@ -47,7 +47,7 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
-_KQUANTS = frozenset((12, 13, 14))
+_KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:

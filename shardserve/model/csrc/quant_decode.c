@@ -175,4 +175,3 @@ void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int
     decode_chunk_f32(type, row, K, k0, kc, tmp);
     for (int64_t k = 0; k < kc; k++) ((uint16_t *)out)[k] = f32_to_bf16(tmp[k]);
 }
-

@@ -10,8 +10,9 @@
 #include "quant_blocks.h"
 
 #if QK_SIMD
-/* One sub-block's share (Q4_0, Q4_1, Q8_0): acc += (w . x per pair of int16) * scale. Pairs: |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and
- * convert to float exactly. AVX-512 does the 32 values in one register, AVX2 in two. */
+/* One sub-block's share (Q4_0, Q4_1, Q8_0): acc += (w . x per pair of int16) * scale. Pairs:
+ * |w| <= 128, |x| <= 32767, so a pair (and two pairs) fit an int32 and convert to float exactly.
+ * AVX-512 does the 32 values in one register, AVX2 in two. */
 #if defined(__AVX512BW__)
 typedef __m512 acc_t;
 typedef __m512i wide_t;
