@@ -48,6 +48,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 # And their SIMD row kernels for small batches (the batch-1 decode step's products).
 ROWS_SOURCE = Path(__file__).parent / "csrc" / "quant_rows.c"
+# And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
+TILES_SOURCE = Path(__file__).parent / "csrc" / "quant_tiles.c"
 # And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
 GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 # And the weight rows it decodes into its panels.
@@ -150,8 +152,8 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE,
-               LORA_SOURCE, CP_SOURCE)
+    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, TILES_SOURCE, GEMM_SOURCE, PANEL_SOURCE,
+               DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():

@@ -53,3 +53,24 @@ def repack_r8(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
     out = dst.numpy().view(np.int16)
     out[:, : cols // 2].reshape(rows, nb, 16, copy=False)[:] = blocks[:, :, 1:]
     out[:, cols // 2 :] = blocks[:, :, 0]
+
+
+def repack_t4(src: torch.Tensor, dst: torch.Tensor, cols: int, has_min: bool) -> None:
+    """Q4_1 (has_min) or Q4_0 rows `src` (a multiple of 16) as T4 tiles into `dst` uint8
+    [rows, cols / 32 * 20]: per tile of 16 rows and block g, the 16 rows' qs bytes with byte
+    2 c + e of row r at 32 c + 2 r + e, then the 16 d, then the 16 m (csrc/quant_tiles.c)."""
+    rows, nb = src.shape[0], cols // 32
+    tiles = rows // 16
+    blocks = src.numpy().reshape(rows, nb, -1)
+    out = dst.numpy().reshape(tiles, nb, 320)
+    first = 4 if has_min else 2
+    qs = blocks[:, :, first : first + 16].reshape(tiles, 16, nb, 8, 2)
+    out[:, :, :256].reshape(tiles, nb, 8, 16, 2, copy=False)[:] = qs.transpose(0, 2, 3, 1, 4)
+    d = blocks[:, :, 0:2]
+    if has_min:
+        m = blocks[:, :, 2:4]
+    else:  # Q4_0's m = -8 d, as repack_r4 writes it
+        m = (np.ascontiguousarray(d).view(np.float16) * np.float16(-8)).view(np.uint8)
+    for at, values in ((256, d), (288, m)):
+        per_tile = values.reshape(tiles, 16, nb, 2).transpose(0, 2, 1, 3)
+        out[:, :, at : at + 32].reshape(tiles, nb, 16, 2, copy=False)[:] = per_tile

@@ -31,8 +31,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 # shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
 # values and bytes as their source, scales gathered at the row's end.
-R4, R8 = 1004, 1008
-_REPACKED: dict[int, tuple[str, int, int]] = {R4: ("R4", 32, 20), R8: ("R8", 32, 34)}
+# T4: Q4_0 / Q4_1 in tiles of 16 rows for the few-rows products (csrc/quant_tiles.c draws it),
+# where the rows come in multiples of 16; a tile holds 16 rows' bytes, so row n is not at n.
+R4, R8, T4 = 1004, 1008, 1104
+_REPACKED: dict[int, tuple[str, int, int]] = {
+    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20)}
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -44,14 +47,19 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
 # always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
 # still win at 32 (0.75-0.98x: their panels decode slowly).
+# T4 tiles (csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8 rows of x they
+# took 0.5-0.9x the GEMM's time with either x dtype (default model's shapes, Zen 4).
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
+ROWS_MAX_TILES = 8
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
+    if ggml_type == T4:
+        return ROWS_MAX_TILES
     if x_dtype != torch.float32:
         return ROWS_MAX_BF16
     return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS else ROWS_MAX_F32
@@ -90,10 +98,15 @@ class QuantizedTensor:
         return GGML_TYPES[self.source_type or self.ggml_type][0]
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
+        if self.ggml_type == T4 and (start % 16 or length % 16):
+            raise ValueError(f"a T4 weight's rows come in tiles of 16: [{start}, "
+                             f"{start + length}) cuts one")
         return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
                                self.cols, self.source_type)
 
     def index_rows(self, rows: torch.Tensor) -> QuantizedTensor:
+        if self.ggml_type == T4:
+            raise ValueError("a T4 weight's rows lie in tiles: pick rows before repacking")
         return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols,
                                self.source_type)
 
@@ -127,31 +140,35 @@ def available() -> bool:
     return native_kernels.supports(torch.float32, torch.device("cpu"))
 
 
-def repacked_type(w: QuantizedTensor) -> int | None:
-    """R4 for Q4_0 / Q4_1 (cols a multiple of 64), R8 for Q8_0, where this build's kernels
-    compute those faster (AVX-512); None to keep w's layout."""
+def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
+    """T4 for Q4_0 / Q4_1 where `tiled` (the caller's pieces) and w's rows come in multiples
+    of 16, else R4 (cols a multiple of 64); R8 for Q8_0; where this build's kernels compute
+    those faster (AVX-512); None to keep w's layout."""
     kind = {Q4_0: R4, Q4_1: R4, Q8_0: R8}.get(w.ggml_type)
-    if kind is None or (kind == R4 and w.cols % 64) or \
-            not native_kernels.lib().quant_can_repack():
+    if kind is None or not native_kernels.lib().quant_can_repack():
         return None
-    return kind
+    if kind == R4 and tiled and w.shape[0] % 16 == 0:
+        return T4
+    return None if kind == R4 and w.cols % 64 else kind
 
 
-def repack_into(w: QuantizedTensor, dst: torch.Tensor) -> None:
-    """w's rows in its repacked_type's layout into dst uint8 [rows, row_bytes]. Exact."""
-    if w.ggml_type == Q8_0:
+def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
+    """w's rows in layout `kind` (its repacked_type) into dst uint8 [rows, row_bytes]. Exact."""
+    if kind == T4:
+        quant_repack.repack_t4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
+    elif w.ggml_type == Q8_0:
         quant_repack.repack_r8(w.data, dst, w.cols)
     else:
         quant_repack.repack_r4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
 
 
 def repack(w: QuantizedTensor) -> QuantizedTensor:
-    """w as R4 / R8 where repacked_type says so, else unchanged. Exact: same values."""
+    """w as T4 / R4 / R8 where repacked_type says so, else unchanged. Exact: same values."""
     kind = repacked_type(w)
     if kind is None:
         return w
     data = torch.empty(w.shape[0], w.cols // 32 * _REPACKED[kind][2], dtype=torch.uint8)
-    repack_into(w, data)
+    repack_into(w, data, kind)
     return QuantizedTensor(data, kind, w.cols, w.ggml_type)
 
 
@@ -323,7 +340,8 @@ def _segment(pieces: list[QuantizedTensor]) -> QuantizedTensor:
     their layout; else written once into new memory (repacked where repacked_type says), the
     source pages then given back (file_map.drop_pages: a file's pages would stay resident)."""
     first, rows = pieces[0], sum(p.shape[0] for p in pieces)
-    kind = repacked_type(first)
+    # A tile may not straddle two pieces (each is repacked on its own).
+    kind = repacked_type(first, tiled=all(p.shape[0] % 16 == 0 for p in pieces))
     if kind is None and all(_back_to_back(a, b) for a, b in pairwise(pieces)):
         data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())
         return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)
@@ -333,7 +351,7 @@ def _segment(pieces: list[QuantizedTensor]) -> QuantizedTensor:
     for piece in pieces:
         dst = data.narrow(0, start, piece.shape[0])
         if kind:
-            repack_into(piece, dst)
+            repack_into(piece, dst, kind)
         else:
             dst.copy_(piece.data)
         drop_pages(piece.data)

@@ -1,4 +1,4 @@
-"""quant_repack: Q4_0 / Q4_1 / Q8_0 rows rewritten as R4 / R8 hold the same values (the
+"""quant_repack: Q4_0 / Q4_1 / Q8_0 rows rewritten as R4 / R8 / T4 hold the same values (the
 kernels' own dequantization of both layouts, any build) and land in the rows they are given."""
 
 from __future__ import annotations
@@ -28,3 +28,28 @@ def test_repacked_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
     repacked = q.QuantizedTensor(dst, kind, cols, ggml_type)
     assert torch.equal(repacked.dequantize(), w.dequantize())
     assert (out[:2] == 7).all() and (out[13:] == 7).all()  # nothing written outside dst
+
+
+@pytest.mark.parametrize("ggml_type", [q.Q4_0, q.Q4_1], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("cols", [32, 576, 1536])
+def test_tiles_of_16_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
+    w = random_blocks(ggml_type, 48, cols, seed=cols + ggml_type)
+    out = torch.full((80, cols // 32 * 20), 7, dtype=torch.uint8)
+    dst = out.narrow(0, 16, 48)  # a tile-aligned piece of a larger buffer
+    quant_repack.repack_t4(w.data, dst, cols, has_min=ggml_type == q.Q4_1)
+    tiled = q.QuantizedTensor(dst, q.T4, cols, ggml_type)
+    assert torch.equal(tiled.dequantize(), w.dequantize())
+    ids = torch.tensor([47, 0, 17, 17, 30])
+    assert torch.equal(q.dequantize_rows(tiled, ids, torch.float32),
+                       q.dequantize_rows(w, ids, torch.float32))
+    assert (out[:16] == 7).all() and (out[64:] == 7).all()  # nothing written outside dst
+
+
+def test_a_tiled_weight_refuses_to_cut_a_tile() -> None:
+    w = random_blocks(q.Q4_1, 32, 64, seed=1)
+    tiled = q.QuantizedTensor(torch.empty_like(w.data), q.T4, 64, q.Q4_1)
+    assert tiled.narrow_rows(16, 16).shape == (16, 64)
+    with pytest.raises(ValueError, match="tiles of 16"):
+        tiled.narrow_rows(8, 16)
+    with pytest.raises(ValueError, match="pick rows before repacking"):
+        tiled.index_rows(torch.tensor([0, 1]))

@@ -53,8 +53,9 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
                  int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                  int64_t K, int num_threads);
 #define QDECODE_MAX 1024 /* the most elements quant_decode_chunk decodes at once */
-void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                        void *out, int out_dtype);
+/* Elements [k0, k0 + kc) of row n of a weight (rows row_bytes apart from w). */
+void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
+                        int64_t k0, int64_t kc, void *out, int out_dtype);
 int quant_block_shape(int type, int *elems, int *bytes);
 
 /* quant_gemm.c */

@@ -144,8 +144,46 @@ static void decode_r_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, 
 }
 #endif
 
-void quant_decode_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                        void *out, int out_dtype) {
+/* T4: lane `lane`'s values of kc / 32 consecutive sub-blocks of its tile from `sub` (quant_tiles.c
+ * draws the layout; w = d * q + m, fused where SIMD as decode_r_chunk's R4). A row's 16 bytes of
+ * a sub-block are 2 from each of its 8 chunks: low nibbles columns 0-15, high ones 16-31. */
+static void decode_t4_chunk(const uint8_t *sub, int lane, int64_t kc, void *out, int out_dtype) {
+    for (int64_t g = 0; g < kc / 32; g++) {
+        const uint8_t *p = sub + T4_SUB_BYTES * g;
+        const float d = half_to_f32(p + 256 + 2 * lane), m = half_to_f32(p + 288 + 2 * lane);
+        uint8_t bytes[16];
+        for (int c = 0; c < 8; c++) memcpy(bytes + 2 * c, p + 32 * c + 2 * lane, 2);
+#if QK_SIMD && defined(__AVX512F__)
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+        for (int half = 0; half < 2; half++) {
+            const __m512i q = half ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
+            const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
+            const int64_t at = 32 * g + 16 * half;
+            if (out_dtype == DT_F32)
+                _mm512_storeu_ps((float *)out + at, v);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), f32x16_to_bf16(v));
+        }
+#else
+        for (int l = 0; l < 32; l++) {
+            const float v = d * (float)(l < 16 ? bytes[l] & 0xF : bytes[l - 16] >> 4) + m;
+            if (out_dtype == DT_F32)
+                ((float *)out)[32 * g + l] = v;
+            else
+                ((uint16_t *)out)[32 * g + l] = f32_to_bf16(v);
+        }
+#endif
+    }
+}
+
+void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
+                        int64_t k0, int64_t kc, void *out, int out_dtype) {
+    if (type == T_T4) { /* the sub-blocks [k0, k0 + kc) / 32 of row n's tile */
+        decode_t4_chunk(w + (n - n % 16) * row_bytes + k0 / 32 * T4_SUB_BYTES, (int)(n % 16), kc,
+                        out, out_dtype);
+        return;
+    }
+    const uint8_t *row = w + n * row_bytes;
 #if QK_SIMD && defined(__AVX512F__)
     if (type == T_R4 || type == T_R8) {
         decode_r_chunk(type, row, K, k0, kc, out, out_dtype);

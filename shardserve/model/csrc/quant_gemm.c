@@ -80,13 +80,14 @@ ALWAYS_INLINE float hsum(vf v) {
     return s;
 }
 
-/* Elements [k0, k0 + kc) of a weight row, decoded QDECODE_MAX at a time. */
-static void decode_rows(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                        void *out, int out_dtype) {
+/* Elements [k0, k0 + kc) of weight row n, decoded QDECODE_MAX at a time. */
+static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
+                        int64_t k0, int64_t kc, void *out, int out_dtype) {
     const size_t esize = out_dtype == DT_F32 ? 4 : 2;
     for (int64_t k = 0; k < kc; k += QDECODE_MAX) {
-        const int64_t n = kc - k < QDECODE_MAX ? kc - k : QDECODE_MAX;
-        quant_decode_chunk(type, row, K, k0 + k, n, (char *)out + (size_t)k * esize, out_dtype);
+        const int64_t cnt = kc - k < QDECODE_MAX ? kc - k : QDECODE_MAX;
+        quant_decode_chunk(type, w, row_bytes, n, K, k0 + k, cnt,
+                           (char *)out + (size_t)k * esize, out_dtype);
     }
 }
 
@@ -180,7 +181,7 @@ static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void 
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
         for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w + (n0 + c) * row_bytes, K, k0, kc,
+            decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
                         (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
         for (int64_t c = 0; c < nt; c += NC) {
             const int nc = (int)(nt - c < NC ? nt - c : NC);

@@ -142,6 +142,13 @@ static void decode_r_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     }
 }
 
+void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r) {
+    if (type == T_T4)
+        decode_t4_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
+    else
+        decode_row(w + n * row_bytes, K, type, r);
+}
+
 /* Decode one weight row of K elements (K a multiple of the type's block). */
 void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     if (type == T_R4 || type == T_R8) {
@@ -270,7 +277,10 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
                        xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
-    if (quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride, out_dtype, threads))
+    if (type == T_T4 ? quant_tiles_simd(w, row_bytes, &xq, B, N, K, out, out_stride, out_dtype,
+                                        threads)
+                     : quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride,
+                                       out_dtype, threads))
         goto done;
 #endif
     const int is_signed = type == T_Q8_0 || type == T_R8;
@@ -282,7 +292,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         row_t *r = rows + omp_get_thread_num();
-        decode_row(w + n * row_bytes, K, type, r);
+        decode_row_at(w, row_bytes, n, K, type, r);
         row_times_x(r, &xq, B, K, is_signed, out, out_stride, n, out_dtype);
     }
     free_rows(rows, threads);
@@ -314,7 +324,7 @@ int quant_dequantize_rows(void *out, int out_dtype, const uint8_t *w, int64_t ro
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n_ids; i++) {
         row_t *r = rows + omp_get_thread_num();
-        decode_row(w + ids[i] * row_bytes, K, type, r);
+        decode_row_at(w, row_bytes, ids[i], K, type, r);
         for (int64_t k = 0; k < K; k++) {
             const int32_t q = is_signed ? (int32_t)(int8_t)r->q[k] : r->q[k];
             const float m = qoff ? 0.f : r->m[k / 16];
