@@ -1,6 +1,6 @@
-"""Rewriting GGML blocks in shardserve's R4 / R8 row layouts (csrc/quant_kernels.c draws them),
-which the AVX-512 batch-1 kernels read faster: the same values and bytes, scales gathered at the
-row's end.
+"""Rewriting GGML blocks in shardserve's R4 / R8 row layouts (csrc/quant_kernels.c draws them)
+and T4 / T8 tiles of 16 rows (csrc/quant_tiles.c), which the AVX-512 few-rows kernels read
+faster: the same values and bytes, moved.
 
 Done with numpy on int16 views of the blocks: numpy runs each call on the calling thread with
 the GIL released, so several weights repack at once on a thread pool (torch's elementwise ops
@@ -74,3 +74,17 @@ def repack_t4(src: torch.Tensor, dst: torch.Tensor, cols: int, has_min: bool) ->
     for at, values in ((256, d), (288, m)):
         per_tile = values.reshape(tiles, 16, nb, 2).transpose(0, 2, 1, 3)
         out[:, :, at : at + 32].reshape(tiles, nb, 16, 2, copy=False)[:] = per_tile
+
+
+def repack_t8(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
+    """Q8_0 rows `src` (a multiple of 16) as T8 tiles into `dst` uint8 [rows, cols / 32 * 34]:
+    per tile and block g, the 16 rows' qs with byte 2 p + e of row r at 32 p + 2 r + e, then
+    the 16 d (csrc/quant_tiles.c)."""
+    rows, nb = src.shape[0], cols // 32
+    tiles = rows // 16
+    blocks = src.numpy().reshape(rows, nb, 34)
+    out = dst.numpy().reshape(tiles, nb, 544)
+    qs = blocks[:, :, 2:].reshape(tiles, 16, nb, 16, 2)
+    out[:, :, :512].reshape(tiles, nb, 16, 16, 2, copy=False)[:] = qs.transpose(0, 2, 3, 1, 4)
+    d = blocks[:, :, 0:2].reshape(tiles, 16, nb, 2).transpose(0, 2, 1, 3)
+    out[:, :, 512:].reshape(tiles, nb, 16, 2, copy=False)[:] = d

@@ -31,11 +31,13 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 # shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
 # values and bytes as their source, scales gathered at the row's end.
-# T4: Q4_0 / Q4_1 in tiles of 16 rows for the few-rows products (csrc/quant_tiles.c draws it),
-# where the rows come in multiples of 16; a tile holds 16 rows' bytes, so row n is not at n.
-R4, R8, T4 = 1004, 1008, 1104
+# T4 / T8: Q4_0 / Q4_1 / Q8_0 in tiles of 16 rows for the few-rows products (csrc/quant_tiles.c
+# draws them), where the rows come in multiples of 16; a tile holds 16 rows' bytes, so row n's
+# bytes are not row n of the data.
+R4, R8, T4, T8 = 1004, 1008, 1104, 1108
 _REPACKED: dict[int, tuple[str, int, int]] = {
-    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20)}
+    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20), T8: ("T8", 32, 34)}
+_TILED = frozenset((T4, T8))
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -47,7 +49,7 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
 # always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
 # still win at 32 (0.75-0.98x: their panels decode slowly).
-# T4 tiles (csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8 rows of x they
+# T4 / T8 tiles (csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8 rows of x they
 # took 0.5-0.9x the GEMM's time with either x dtype (default model's shapes, Zen 4).
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
@@ -58,7 +60,7 @@ _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 25
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
-    if ggml_type == T4:
+    if ggml_type in _TILED:
         return ROWS_MAX_TILES
     if x_dtype != torch.float32:
         return ROWS_MAX_BF16
@@ -98,15 +100,15 @@ class QuantizedTensor:
         return GGML_TYPES[self.source_type or self.ggml_type][0]
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
-        if self.ggml_type == T4 and (start % 16 or length % 16):
-            raise ValueError(f"a T4 weight's rows come in tiles of 16: [{start}, "
+        if self.ggml_type in _TILED and (start % 16 or length % 16):
+            raise ValueError(f"a tiled weight's rows come in tiles of 16: [{start}, "
                              f"{start + length}) cuts one")
         return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
                                self.cols, self.source_type)
 
     def index_rows(self, rows: torch.Tensor) -> QuantizedTensor:
-        if self.ggml_type == T4:
-            raise ValueError("a T4 weight's rows lie in tiles: pick rows before repacking")
+        if self.ggml_type in _TILED:
+            raise ValueError("a tiled weight's rows lie in tiles: pick rows before repacking")
         return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols,
                                self.source_type)
 
@@ -141,14 +143,14 @@ def available() -> bool:
 
 
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
-    """T4 for Q4_0 / Q4_1 where `tiled` (the caller's pieces) and w's rows come in multiples
-    of 16, else R4 (cols a multiple of 64); R8 for Q8_0; where this build's kernels compute
-    those faster (AVX-512); None to keep w's layout."""
+    """T4 for Q4_0 / Q4_1 and T8 for Q8_0 where `tiled` (the caller's pieces) and w's rows come
+    in multiples of 16; else R4 (cols a multiple of 64) and R8; where this build's kernels
+    compute those faster (AVX-512); None to keep w's layout."""
     kind = {Q4_0: R4, Q4_1: R4, Q8_0: R8}.get(w.ggml_type)
     if kind is None or not native_kernels.lib().quant_can_repack():
         return None
-    if kind == R4 and tiled and w.shape[0] % 16 == 0:
-        return T4
+    if tiled and w.shape[0] % 16 == 0:
+        return T4 if kind == R4 else T8
     return None if kind == R4 and w.cols % 64 else kind
 
 
@@ -156,6 +158,8 @@ def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
     """w's rows in layout `kind` (its repacked_type) into dst uint8 [rows, row_bytes]. Exact."""
     if kind == T4:
         quant_repack.repack_t4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
+    elif kind == T8:
+        quant_repack.repack_t8(w.data, dst, w.cols)
     elif w.ggml_type == Q8_0:
         quant_repack.repack_r8(w.data, dst, w.cols)
     else:

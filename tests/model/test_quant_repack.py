@@ -30,14 +30,18 @@ def test_repacked_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
     assert (out[:2] == 7).all() and (out[13:] == 7).all()  # nothing written outside dst
 
 
-@pytest.mark.parametrize("ggml_type", [q.Q4_0, q.Q4_1], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", [q.Q4_0, q.Q4_1, q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("cols", [32, 576, 1536])
 def test_tiles_of_16_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
     w = random_blocks(ggml_type, 48, cols, seed=cols + ggml_type)
-    out = torch.full((80, cols // 32 * 20), 7, dtype=torch.uint8)
+    kind, block_bytes = (q.T8, 34) if ggml_type == q.Q8_0 else (q.T4, 20)
+    out = torch.full((80, cols // 32 * block_bytes), 7, dtype=torch.uint8)
     dst = out.narrow(0, 16, 48)  # a tile-aligned piece of a larger buffer
-    quant_repack.repack_t4(w.data, dst, cols, has_min=ggml_type == q.Q4_1)
-    tiled = q.QuantizedTensor(dst, q.T4, cols, ggml_type)
+    if kind == q.T8:
+        quant_repack.repack_t8(w.data, dst, cols)
+    else:
+        quant_repack.repack_t4(w.data, dst, cols, has_min=ggml_type == q.Q4_1)
+    tiled = q.QuantizedTensor(dst, kind, cols, ggml_type)
     assert torch.equal(tiled.dequantize(), w.dequantize())
     ids = torch.tensor([47, 0, 17, 17, 30])
     assert torch.equal(q.dequantize_rows(tiled, ids, torch.float32),

@@ -33,11 +33,14 @@
  * so that a 32-byte load holds two sub-blocks and 16 scales convert in one instruction. */
 #define T_R4 1004
 #define T_R8 1008
-/* And T4: Q4_0 / Q4_1 in tiles of 16 rows (quant_tiles.c draws it), 320 bytes per tile and
- * sub-block of 32, so 20 bytes a row's 32 as R4; row n of a weight lies in the tile at row
- * n - n % 16 (decode_row_at). */
+/* And T4 / T8: Q4_0 / Q4_1 / Q8_0 in tiles of 16 rows (quant_tiles.c draws them), 320 / 544
+ * bytes per tile and sub-block of 32, so 20 / 34 bytes a row's 32; row n of a weight lies in
+ * the tile at row n - n % 16 (decode_row_at). */
 #define T_T4 1104
+#define T_T8 1108
 #define T4_SUB_BYTES 320
+#define T8_SUB_BYTES 544
+#define IS_TILED(type) ((type) == T_T4 || (type) == T_T8)
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define QPARALLEL_MIN (256 * 1024)
@@ -81,6 +84,7 @@ static inline int block_shape(int type, int *elems, int *bytes) {
     case T_R4: *elems = 32; *bytes = 20; return 1;
     case T_R8: *elems = 32; *bytes = 34; return 1;
     case T_T4: *elems = 32; *bytes = 20; return 1;
+    case T_T8: *elems = 32; *bytes = 34; return 1;
     default: return 0;
     }
 }
@@ -117,6 +121,7 @@ typedef struct {
 void decode_row(const uint8_t *w, int64_t K, int type, row_t *r);
 void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r);
 void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
+void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
 
 /* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
 #define FUSED_MAX_B 8
@@ -221,11 +226,11 @@ ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, 
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads);
-/* quant_tiles.c: the same for T4 weights (N a multiple of 16); 0 where this build has no SIMD
- * path for them. */
-int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t B,
-                     int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-                     int threads);
+/* quant_tiles.c: the same for T4 / T8 weights (N a multiple of 16); 0 where this build has no
+ * SIMD path for them. */
+int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                     int out_dtype, int threads);
 static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
     if (out_dtype == DT_F32)
         ((float *)out)[idx] = v;

@@ -180,9 +180,13 @@ static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void 
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
-        for (int64_t c = 0; c < nt; c++)
-            decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
-                        (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
+        /* A tiled weight's tile at once where the panel is one whole tile (AVX-512: NT 16). */
+        if (nt != 16 || n0 % 16 ||
+            !quant_decode_tile(type, w + n0 * row_bytes, K, k0, kc, panel, ps,
+                               bf16 ? DT_BF16 : DT_F32))
+            for (int64_t c = 0; c < nt; c++)
+                decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
+                            (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
         for (int64_t c = 0; c < nt; c += NC) {
             const int nc = (int)(nt - c < NC ? nt - c : NC);
             for (int64_t b = 0; b < B; b += MR) {

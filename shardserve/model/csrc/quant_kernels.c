@@ -145,6 +145,8 @@ static void decode_r_row(const uint8_t *w, int64_t K, int type, row_t *r) {
 void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r) {
     if (type == T_T4)
         decode_t4_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
+    else if (type == T_T8)
+        decode_t8_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
     else
         decode_row(w + n * row_bytes, K, type, r);
 }
@@ -306,7 +308,8 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
                  int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                  int64_t K, int num_threads) {
     int elems, bytes;
-    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
+    if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes ||
+        (IS_TILED(type) && N % 16))
         return -2;
     xquant_t xq = {malloc(sizeof(int16_t) * (size_t)(B * K)),
                    malloc(sizeof(float) * (size_t)(B * (K / 32))),
@@ -323,13 +326,13 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
                        xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
-    if (type == T_T4 ? quant_tiles_simd(w, row_bytes, &xq, B, N, K, out, out_stride, out_dtype,
-                                        threads)
+    if (IS_TILED(type) ? quant_tiles_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride,
+                                          out_dtype, threads)
                      : quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride,
                                        out_dtype, threads))
         goto done;
 #endif
-    const int is_signed = type == T_Q8_0 || type == T_R8;
+    const int is_signed = type == T_Q8_0 || type == T_R8 || type == T_T8;
     row_t *rows = alloc_rows(threads, K);
     if (rows == NULL) {
         rc = -1;
@@ -361,7 +364,7 @@ int quant_dequantize_rows(void *out, int out_dtype, const uint8_t *w, int64_t ro
     int elems, bytes;
     if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes)
         return -2;
-    const int is_signed = type == T_Q8_0 || type == T_R8;
+    const int is_signed = type == T_Q8_0 || type == T_R8 || type == T_T8;
     /* Q4_0 and Q6_K keep their -8 / -32 on the integer, as the reference does. */
     const int qoff = type == T_Q4_0 ? -8 : type == T_Q6_K ? -32 : 0;
     const int threads = n_ids * K >= QPARALLEL_MIN ? num_threads : 1;
