@@ -88,3 +88,22 @@ def repack_t8(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
     out[:, :, :512].reshape(tiles, nb, 16, 16, 2, copy=False)[:] = qs.transpose(0, 2, 3, 1, 4)
     d = blocks[:, :, 0:2].reshape(tiles, 16, nb, 2).transpose(0, 2, 1, 3)
     out[:, :, 512:].reshape(tiles, nb, 16, 2, copy=False)[:] = d
+
+
+def repack_t4k(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
+    """Q4_K rows `src` (a multiple of 16) as T4K tiles into `dst` uint8 [rows, cols / 256 *
+    144]: per tile and block, the 16 rows' qs with byte 32 p + 2 t + e of row r at 512 p + 32 t
+    + 2 r + e, then the 16 d, the 16 dmin, and the 12 scale bytes as three words per row
+    (csrc/quant_tiles.c)."""
+    rows, nb = src.shape[0], cols // 256
+    tiles = rows // 16
+    blocks = src.numpy().reshape(rows, nb, 144)
+    out = dst.numpy().reshape(tiles, nb, 2304)
+    qs = blocks[:, :, 16:].reshape(tiles, 16, nb, 4, 16, 2)
+    nib = out[:, :, :2048].reshape(tiles, nb, 4, 16, 16, 2, copy=False)
+    nib[:] = qs.transpose(0, 2, 3, 4, 1, 5)
+    # d, dmin (2 bytes each), then the scale words (4 bytes each): per field, 16 rows side by side
+    for first, size, at in ((0, 2, 2048), (2, 2, 2080), (4, 4, 2112), (8, 4, 2176), (12, 4, 2240)):
+        field = blocks[:, :, first : first + size].reshape(tiles, 16, nb, size)
+        out[:, :, at : at + 16 * size].reshape(tiles, nb, 16, size, copy=False)[:] = \
+            field.transpose(0, 2, 1, 3)

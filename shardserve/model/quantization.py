@@ -28,16 +28,17 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
 # shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
 # values and bytes as their source, scales gathered at the row's end.
-# T4 / T8: Q4_0 / Q4_1 / Q8_0 in tiles of 16 rows for the few-rows products (csrc/quant_tiles.c
-# draws them), where the rows come in multiples of 16; a tile holds 16 rows' bytes, so row n's
-# bytes are not row n of the data.
-R4, R8, T4, T8 = 1004, 1008, 1104, 1108
+# T4 / T8 / T4K: Q4_0 / Q4_1 / Q8_0 / Q4_K in tiles of 16 rows for the few-rows products
+# (csrc/quant_tiles.c draws them), where the rows come in multiples of 16; a tile holds 16 rows'
+# bytes, so row n's bytes are not row n of the data.
+R4, R8, T4, T8, T4K = 1004, 1008, 1104, 1108, 1112
 _REPACKED: dict[int, tuple[str, int, int]] = {
-    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20), T8: ("T8", 32, 34)}
-_TILED = frozenset((T4, T8))
+    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20), T8: ("T8", 32, 34),
+    T4K: ("T4K", 256, 144)}
+_TILED = frozenset((T4, T8, T4K))
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -49,8 +50,9 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
 # always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
 # still win at 32 (0.75-0.98x: their panels decode slowly).
-# T4 / T8 tiles (csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8 rows of x they
-# took 0.5-0.9x the GEMM's time with either x dtype (default model's shapes, Zen 4).
+# The tiles (T4 / T8 / T4K, csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8
+# rows of bfloat16 x they took 0.5-0.7x the GEMM's time (default model's and 1B's shapes, Zen 4),
+# at 16 about the same; T4K with float32 x as the K-quants.
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
@@ -60,11 +62,9 @@ _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 25
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
-    if ggml_type in _TILED:
-        return ROWS_MAX_TILES
     if x_dtype != torch.float32:
-        return ROWS_MAX_BF16
-    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS else ROWS_MAX_F32
+        return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
+    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS or ggml_type == T4K else ROWS_MAX_F32
 
 
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
@@ -143,20 +143,30 @@ def available() -> bool:
 
 
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
-    """T4 for Q4_0 / Q4_1 and T8 for Q8_0 where `tiled` (the caller's pieces) and w's rows come
-    in multiples of 16; else R4 (cols a multiple of 64) and R8; where this build's kernels
-    compute those faster (AVX-512); None to keep w's layout."""
-    kind = {Q4_0: R4, Q4_1: R4, Q8_0: R8}.get(w.ggml_type)
-    if kind is None or not native_kernels.lib().quant_can_repack():
+    """T4 for Q4_0 / Q4_1, T8 for Q8_0 and T4K for Q4_K where `tiled` (the caller's pieces)
+    and w's rows come in multiples of 16; else R4 (cols a multiple of 64) and R8 (Q4_K keeps
+    its layout); where this build's kernels compute those faster (AVX-512); None to keep w's
+    layout."""
+    if w.ggml_type not in (Q4_0, Q4_1, Q8_0, Q4_K) or \
+            not native_kernels.lib().quant_can_repack():
         return None
     if tiled and w.shape[0] % 16 == 0:
-        return T4 if kind == R4 else T8
-    return None if kind == R4 and w.cols % 64 else kind
+        return {Q4_K: T4K, Q8_0: T8}.get(w.ggml_type, T4)
+    if w.ggml_type == Q4_K or (w.ggml_type != Q8_0 and w.cols % 64):
+        return None
+    return R8 if w.ggml_type == Q8_0 else R4
+
+
+def _row_bytes(kind: int, cols: int) -> int:
+    _, elems, nbytes = _REPACKED[kind]
+    return cols // elems * nbytes
 
 
 def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
     """w's rows in layout `kind` (its repacked_type) into dst uint8 [rows, row_bytes]. Exact."""
-    if kind == T4:
+    if kind == T4K:
+        quant_repack.repack_t4k(w.data, dst, w.cols)
+    elif kind == T4:
         quant_repack.repack_t4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
     elif kind == T8:
         quant_repack.repack_t8(w.data, dst, w.cols)
@@ -171,7 +181,7 @@ def repack(w: QuantizedTensor) -> QuantizedTensor:
     kind = repacked_type(w)
     if kind is None:
         return w
-    data = torch.empty(w.shape[0], w.cols // 32 * _REPACKED[kind][2], dtype=torch.uint8)
+    data = torch.empty(w.shape[0], _row_bytes(kind, w.cols), dtype=torch.uint8)
     repack_into(w, data, kind)
     return QuantizedTensor(data, kind, w.cols, w.ggml_type)
 
@@ -349,7 +359,7 @@ def _segment(pieces: list[QuantizedTensor]) -> QuantizedTensor:
     if kind is None and all(_back_to_back(a, b) for a, b in pairwise(pieces)):
         data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())
         return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)
-    row_bytes = first.cols // 32 * _REPACKED[kind][2] if kind else first.data.shape[1]
+    row_bytes = _row_bytes(kind, first.cols) if kind else first.data.shape[1]
     data = torch.empty(rows, row_bytes, dtype=torch.uint8)
     start = 0
     for piece in pieces:

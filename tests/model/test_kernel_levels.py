@@ -6,8 +6,9 @@ output channel in the Q8_0 layout), each level this CPU runs besides portable, a
 in ENTRY_POINTS, the result under that level's library is compared with the portable build's on the
 same blocks and x (1, 5 and 11 rows: row-kernel passes of 1, 5 and 8 + 3; float32 and bfloat16). The
 weight is built under each level, so where a level repacks (AVX-512: Q4_0 / Q4_1 in tiles of 16
-rows as T4, Q8_0 and int8 as T8, or as R4 / R8 where the weight comes in pieces of other row
-counts, "(R4)" / "(R8)") its T4 / T8 / R4 / R8 kernels are what runs. How close each must be
+rows as T4, Q8_0 and int8 as T8, Q4_K as T4K; where the weight comes in pieces of other row
+counts, "(pieces)", as R4 / R8 / Q4_K's own rows) its T4 / T8 / T4K / R4 / R8 kernels are what
+runs. How close each must be
 depends on what was computed (`kind`, the looser of the two sides'):
 - EXACT, bit for bit: the dequantized weights. Every level decodes a block to the same integers
   and scales and computes s * q + m once per element; s * q is exact in float32 (an fp16 scale,
@@ -93,7 +94,7 @@ ENTRY_POINTS: dict[str, Callable[[q.QuantWeight, torch.Tensor], Result]] = {
 }
 
 WEIGHTS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "int8": None,
-           "Q4_1 (R4)": 3, "Q8_0 (R8)": 8}
+           "Q4_1 (pieces)": 3, "Q8_0 (pieces)": 8, "Q4_K (pieces)": 12}
 LEVELS = [level for level in nk.levels_buildable_here() if level != "portable"]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 REORDER_TOL = (K // 16) * 2.0**-23
@@ -121,10 +122,10 @@ def abs_products(weight: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def weight_as_loaded(name: str) -> q.QuantWeight:
-    """The weight as the loader joins it: one piece, or for "(R4)" / "(R8)" pieces of 40 and 8
-    rows (a tile of 16 would straddle them, so the rows stay R4 / R8)."""
+    """The weight as the loader joins it: one piece, or for "(pieces)" pieces of 40 and 8 rows
+    (a tile of 16 would straddle them, so the rows stay R4 / R8 / Q4_K)."""
     w = blocks(name)
-    pieces = {0: w.narrow_rows(0, 40), 40: w.narrow_rows(40, 8)} if "(R" in name else {0: w}
+    pieces = {0: w.narrow_rows(0, 40), 40: w.narrow_rows(40, 8)} if "pieces" in name else {0: w}
     return q.QuantWeight.from_pieces(pieces, N)
 
 
@@ -172,29 +173,29 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
 
 @pytest.mark.parametrize("level", nk.levels_buildable_here())
 def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library, level):
-    """So the comparisons above cover T4 / T8 / R4 / R8 wherever a level has them (AVX-512)."""
+    """So the comparisons above cover every repacked layout wherever a level has it (AVX-512)."""
     lib = level_library(level)
     features = set(kernel_levels.isa_features(lib))
     assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
     types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
-    want = {"Q4_0": q.T4, "Q4_1": q.T4, "Q4_1 (R4)": q.R4, "Q8_0": q.T8, "Q8_0 (R8)": q.R8,
-            "int8": q.T8}
-    repacked = {name: t for name, t in types.items() if t in (q.R4, q.R8, q.T4, q.T8)}
+    want = {"Q4_0": q.T4, "Q4_1": q.T4, "Q4_1 (pieces)": q.R4, "Q8_0": q.T8,
+            "Q8_0 (pieces)": q.R8, "int8": q.T8, "Q4_K": q.T4K}
+    repacked = {name: t for name, t in types.items() if t in (q.R4, q.R8, q.T4, q.T8, q.T4K)}
     assert repacked == (want if lib.quant_can_repack() else {})
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, level):
-    """T4 / T8 / R4 / R8 bytes hold the same values as their blocks: the portable build (which
+    """Repacked bytes hold the same values as their blocks: the portable build (which
     decodes them in plain C) computes them bit for bit as the original blocks."""
     if not level_library(level).quant_can_repack():
         pytest.skip(f"{level} does not repack")
-    for name in ("Q4_0", "Q4_1", "Q4_1 (R4)", "Q8_0", "Q8_0 (R8)", "int8"):
+    for name in ("Q4_0", "Q4_1", "Q4_1 (pieces)", "Q8_0", "Q8_0 (pieces)", "int8", "Q4_K"):
         with nk.using(level_library(level)):
             packed = weight_as_loaded(name)
         with nk.using(level_library("portable")):
             plain = weight_as_loaded(name)
-            assert packed.segments[0][1].ggml_type in (q.R4, q.R8, q.T4, q.T8)
+            assert packed.segments[0][1].ggml_type in (q.R4, q.R8, q.T4, q.T8, q.T4K)
             assert torch.equal(packed.dequantize(torch.float32), plain.dequantize(torch.float32))
             for rows in (1, 3, 5):
                 x = x_rows(rows, torch.float32)

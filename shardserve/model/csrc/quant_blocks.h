@@ -38,9 +38,11 @@
  * the tile at row n - n % 16 (decode_row_at). */
 #define T_T4 1104
 #define T_T8 1108
+#define T_T4K 1112 /* and Q4_K's, per block of 256: 2304 bytes (16 x 144) */
 #define T4_SUB_BYTES 320
 #define T8_SUB_BYTES 544
-#define IS_TILED(type) ((type) == T_T4 || (type) == T_T8)
+#define T4K_BLOCK_BYTES 2304
+#define IS_TILED(type) ((type) == T_T4 || (type) == T_T8 || (type) == T_T4K)
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define QPARALLEL_MIN (256 * 1024)
@@ -85,6 +87,7 @@ static inline int block_shape(int type, int *elems, int *bytes) {
     case T_R8: *elems = 32; *bytes = 34; return 1;
     case T_T4: *elems = 32; *bytes = 20; return 1;
     case T_T8: *elems = 32; *bytes = 34; return 1;
+    case T_T4K: *elems = 256; *bytes = 144; return 1;
     default: return 0;
     }
 }
@@ -122,6 +125,7 @@ void decode_row(const uint8_t *w, int64_t K, int type, row_t *r);
 void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r);
 void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
 void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
+void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
 
 /* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
 #define FUSED_MAX_B 8
@@ -219,6 +223,37 @@ ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, 
         _mm256_storeu_ps(k_s + 8, _mm256_mul_ps(d, bytes8_to_f32(hi, 1)));
     }
 }
+
+#if defined(__AVX512F__)
+/* 16 floats to bfloat16, rounded as f32x8_to_bf16 rounds. */
+static inline __m256i f32x16_to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+    /* One instruction, the same rounding (it treats denormals as zero: decoded weights, d * q
+     * with an fp16 d, are never float32 denormals). */
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* T4K: sub-block j's 6-bit scale (mins: `min`) for 16 rows from their A, B, C words. */
+ALWAYS_INLINE __m512 k4_scale(int j, int min, __m512i a, __m512i b, __m512i c) {
+    const __m512i lo6 = min ? b : a; /* j < 4: 6 bits of byte j; else 4 bits of C, 2 of lo6 */
+    __m512i v;
+    if (j < 4) {
+        v = _mm512_and_si512(_mm512_srli_epi32(lo6, 8 * j), _mm512_set1_epi32(63));
+    } else {
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi32(c, 8 * (j - 4) + 4 * min),
+                                             _mm512_set1_epi32(0xF));
+        const __m512i top = _mm512_and_si512(_mm512_srli_epi32(lo6, 8 * (j - 4) + 2),
+                                             _mm512_set1_epi32(0x30));
+        v = _mm512_or_si512(low, top);
+    }
+    return _mm512_cvtepi32_ps(v);
+}
+#endif
 #endif
 
 /* quant_rows.c: out = x @ W^T for the types it has a SIMD path for; 0 where it has none (the
@@ -226,7 +261,7 @@ ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, 
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads);
-/* quant_tiles.c: the same for T4 / T8 weights (N a multiple of 16); 0 where this build has no
+/* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
  * SIMD path for them. */
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,

@@ -17,21 +17,6 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-#if defined(__AVX512F__)
-/* 16 floats to bfloat16, rounded as f32x8_to_bf16 rounds. */
-static inline __m256i f32x16_to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-    /* One instruction, the same rounding (it treats denormals as zero: decoded weights, d * q
-     * with an fp16 d, are never float32 denormals). */
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#endif
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-#endif
-
 /* One weight row of K elements as float32 / bfloat16 (s * q + m in one fused rounding). */
 ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, void *out,
                                     int out_dtype) {
@@ -185,6 +170,21 @@ static void decode_t4_chunk(const uint8_t *sub, int lane, int64_t kc, void *out,
     }
 }
 
+/* T4K: lane `lane`'s values of kc / 256 blocks from `blk`, through the portable row decode. */
+static void decode_t4k_chunk(const uint8_t *blk, int lane, int64_t kc, void *out, int out_dtype) {
+    uint8_t q[QDECODE_MAX];
+    float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
+    row_t r = {q, s, m};
+    decode_t4k_row(blk, lane, kc, &r);
+    for (int64_t k = 0; k < kc; k++) {
+        const float v = s[k / 16] * (float)q[k] + m[k / 16];
+        if (out_dtype == DT_F32)
+            ((float *)out)[k] = v;
+        else
+            ((uint16_t *)out)[k] = f32_to_bf16(v);
+    }
+}
+
 /* T8: lane `lane`'s values of kc / 32 sub-blocks from `sub` (w = d * q, as R8's). */
 static void decode_t8_chunk(const uint8_t *sub, int lane, int64_t kc, void *out, int out_dtype) {
     for (int64_t g = 0; g < kc / 32; g++) {
@@ -220,99 +220,16 @@ static void decode_t8_chunk(const uint8_t *sub, int lane, int64_t kc, void *out,
     }
 }
 
-#if QK_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
- * element i (lane by lane: both lanes' matrices at once). */
-static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; h++) { /* x[0..3] then x[4..7] */
-        u[4 * h] = _mm256_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        v[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
-        v[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
-    }
-}
-
-/* 16 floats (w = d * q + m, or d * q) to a panel row as float32 or bfloat16. */
-static inline void store16(void *row, int64_t at, __m512 v, int out_dtype) {
-    if (out_dtype == DT_F32)
-        _mm512_storeu_ps((float *)row + at, v);
-    else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)row + at), f32x16_to_bf16(v));
-}
-
-/* A whole T4 / T8 tile's columns [k0, k0 + kc): row r to out + r * stride elements. A row's
- * bytes of a sub-block are one 16-bit word of each chunk, so the chunks are transposed as 8 x 8
- * blocks of words in registers (the per-row path gathers them one word at a time). */
-static void decode_tile(int type, const uint8_t *tile, int64_t k0, int64_t kc, void *out,
-                        int64_t stride, int out_dtype) {
-    const size_t es = out_dtype == DT_F32 ? 4 : 2;
-    const int t8 = type == T_T8;
-    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
-        const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
-        __m256i x[8], lo[8], hi[8]; /* lo: chunks 0-7 (T4: all), hi: T8's 8-15 */
-        for (int c = 0; c < 8; c++) x[c] = load32(p + 32 * c);
-        transpose8x8_epi16(x, lo);
-        if (t8) {
-            for (int c = 0; c < 8; c++) x[c] = load32(p + 256 + 32 * c);
-            transpose8x8_epi16(x, hi);
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + (t8 ? 512 : 256))));
-        const __m512 m = t8 ? _mm512_setzero_ps()
-                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
-        float dr[16], mr[16];
-        _mm512_storeu_ps(dr, d);
-        _mm512_storeu_ps(mr, m);
-        for (int r = 0; r < 16; r++) { /* lo[r % 8]'s lane r / 8 holds row r */
-            char *row = (char *)out + (size_t)(r * stride) * es;
-            const int64_t at = 32 * g - k0;
-            const __m128i a = r < 8 ? _mm256_castsi256_si128(lo[r]) : _mm256_extracti128_si256(lo[r - 8], 1);
-            const __m512 dv = _mm512_set1_ps(dr[r]);
-            if (t8) {
-                const __m128i b = r < 8 ? _mm256_castsi256_si128(hi[r]) : _mm256_extracti128_si256(hi[r - 8], 1);
-                store16(row, at, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a))), out_dtype);
-                store16(row, at + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))), out_dtype);
-            } else {
-                const __m512i q = _mm512_cvtepu8_epi32(a), mv = _mm512_set1_epi32(0xF);
-                const __m512 mm = _mm512_set1_ps(mr[r]);
-                store16(row, at, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, mv)), mm), out_dtype);
-                store16(row, at + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mm), out_dtype);
-            }
-        }
-    }
-}
-
-int quant_decode_tile(int type, const uint8_t *tile, int64_t K, int64_t k0, int64_t kc,
-                      void *out, int64_t stride, int out_dtype) {
-    (void)K;
-    if (!IS_TILED(type)) return 0;
-    decode_tile(type, tile, k0, kc, out, stride, out_dtype);
-    return 1;
-}
-#else
-int quant_decode_tile(int type, const uint8_t *tile, int64_t K, int64_t k0, int64_t kc,
-                      void *out, int64_t stride, int out_dtype) {
-    (void)type, (void)tile, (void)K, (void)k0, (void)kc, (void)out, (void)stride, (void)out_dtype;
-    return 0;
-}
-#endif
-
 void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
                         int64_t k0, int64_t kc, void *out, int out_dtype) {
     if (IS_TILED(type)) { /* the sub-blocks [k0, k0 + kc) / 32 of row n's tile */
         const uint8_t *tile = w + (n - n % 16) * row_bytes;
         if (type == T_T4)
             decode_t4_chunk(tile + k0 / 32 * T4_SUB_BYTES, (int)(n % 16), kc, out, out_dtype);
-        else
+        else if (type == T_T8)
             decode_t8_chunk(tile + k0 / 32 * T8_SUB_BYTES, (int)(n % 16), kc, out, out_dtype);
+        else
+            decode_t4k_chunk(tile + k0 / 256 * T4K_BLOCK_BYTES, (int)(n % 16), kc, out, out_dtype);
         return;
     }
     const uint8_t *row = w + n * row_bytes;

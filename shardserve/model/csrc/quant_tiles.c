@@ -16,6 +16,13 @@
  *   T8, per sub-block 544 bytes:  i8 q[16][32] | f16 d[16]     (w[r][k] = d[r] * q[r][k])
  *     q byte 32 p + 2 r + e = q[r][32 g + 2 p + e]            (Q8_0's qs, moved)
  *
+ *   T4K (from Q4_K), per block of 256 columns 2304 bytes (16 x 144):
+ *     nib[4][16][32] | f16 d[16] | f16 dmin[16] | u32 A[16] | u32 B[16] | u32 C[16]
+ *     nib byte 512 p + 32 t + 2 r + e = row r's qs[32 p + 2 t + e]: low nibble column 2 t + e
+ *     of sub-block 2 p, high nibble the same column of sub-block 2 p + 1; A, B, C: row r's
+ *     12 scale bytes as three words (k4_unpack's a, b, c), unpacked for 16 rows at once;
+ *     w = d sc_j q - dmin m_j as Q4_K's
+ *
  * so a chunk c widened to 16-bit lanes holds, in lane r, row r's pair of columns (2 c, 2 c + 1)
  * (low nibbles) or (16 + 2 c, 17 + 2 c) (high), and one vpdpwssd (VNNI; vpmaddwd + vpaddd
  * without) with x's pair broadcast adds both products for all 16 rows. Per sub-block and row
@@ -42,6 +49,27 @@ void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
         const float d = half_to_f32(p + 256 + 2 * lane), m = half_to_f32(p + 288 + 2 * lane);
         r->s[2 * g] = r->s[2 * g + 1] = d;
         r->m[2 * g] = r->m[2 * g + 1] = m;
+    }
+}
+
+void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        uint8_t scales[12];
+        for (int w = 0; w < 3; w++) memcpy(scales + 4 * w, p + 2112 + 64 * w + 4 * lane, 4);
+        const float d = half_to_f32(p + 2048 + 2 * lane), dmin = half_to_f32(p + 2080 + 2 * lane);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            scale_min_k4(j, scales, &sc, &mn);
+            const int64_t sub = 8 * bi + j;
+            r->s[2 * sub] = r->s[2 * sub + 1] = d * (float)sc;
+            r->m[2 * sub] = r->m[2 * sub + 1] = -dmin * (float)mn;
+            for (int t = 0; t < 16; t++)
+                for (int e = 0; e < 2; e++) {
+                    const uint8_t byte = p[512 * (j / 2) + 32 * t + 2 * lane + e];
+                    r->q[32 * sub + 2 * t + e] = (j & 1) ? byte >> 4 : byte & 0xF;
+                }
+        }
     }
 }
 
@@ -92,9 +120,54 @@ ALWAYS_INLINE void tile_dots(int TYPE, int NB, const uint8_t *p, const xquant_t 
     }
 }
 
+/* T4K: a tile's 16 outputs for NB rows of x, block by block (TYPE's tile_rows for Q4_K). */
+ALWAYS_INLINE void tile_rows_k4(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
+                                int64_t K, __m512 *res) {
+    const int64_t nsub = K / 32;
+    for (int i = 0; i < NB; i++) res[i] = _mm512_setzero_ps();
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2048)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2080)));
+        const __m512i a = _mm512_loadu_si512(p + 2112), b = _mm512_loadu_si512(p + 2176);
+        const __m512i c = _mm512_loadu_si512(p + 2240);
+        for (int pair = 0; pair < 4; pair++) { /* sub-blocks 2 pair (low nibbles), 2 pair + 1 */
+            __m512i lo_dot[FUSED_MAX_B], hi_dot[FUSED_MAX_B];
+            for (int i = 0; i < NB; i++) lo_dot[i] = hi_dot[i] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) {
+                const __m512i v = _mm512_cvtepu8_epi16(load32(p + 512 * pair + 32 * t));
+                const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+                const __m512i hi = _mm512_srli_epi16(v, 4);
+                for (int i = 0; i < NB; i++) {
+                    const int16_t *x = xq->q + (b0 + i) * K + 256 * bi + 64 * pair + 2 * t;
+                    lo_dot[i] = dot_pairs(lo_dot[i], lo, x);
+                    hi_dot[i] = dot_pairs(hi_dot[i], hi, x + 32);
+                }
+            }
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * pair + half;
+                const __m512 s = _mm512_mul_ps(d, k4_scale(j, 0, a, b, c));
+                const __m512 m = _mm512_mul_ps(dmin, k4_scale(j, 1, a, b, c));
+                for (int i = 0; i < NB; i++) {
+                    const int64_t at = (b0 + i) * nsub + 8 * bi + j;
+                    const __m512i dot = half ? hi_dot[i] : lo_dot[i];
+                    res[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                             _mm512_mul_ps(s, _mm512_set1_ps(xq->d[at])), res[i]);
+                    res[i] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xq->xs32[at]), res[i]);
+                }
+            }
+        }
+    }
+}
+
 /* A tile's 16 outputs for NB rows of x from b0 (TYPE and NB constants at each call). */
 ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
                              int64_t b0, int64_t K, __m512 *res) {
+    if (TYPE == T_T4K) {
+        tile_rows_k4(NB, tile, xq, b0, K, res);
+        return;
+    }
     const int64_t nsub = K / 32;
     const int qbytes = TYPE == T_T8 ? 512 : 256;
     for (int i = 0; i < NB; i++) res[i] = _mm512_setzero_ps();
@@ -137,11 +210,12 @@ typedef void (*tile_fn)(const uint8_t *tile, const xquant_t *xq, int64_t b0, int
                                                     NAME##_5, NAME##_6, NAME##_7, NAME##_8};
 TILE_FNS(t4, T_T4)
 TILE_FNS(t8, T_T8)
+TILE_FNS(t4k, T_T4K)
 
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
-    const tile_fn *fns = type == T_T8 ? t8_fns : t4_fns;
+    const tile_fn *fns = type == T_T8 ? t8_fns : type == T_T4K ? t4k_fns : t4_fns;
     const int64_t tiles = N / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -159,6 +233,142 @@ int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant
                      int out_dtype, int threads) {
     (void)w, (void)row_bytes, (void)type, (void)xq, (void)B, (void)N, (void)K, (void)out, (void)out_stride,
         (void)out_dtype, (void)threads;
+    return 0;
+}
+#endif
+
+/* The GEMM's panels (quant_gemm.c) from a whole tile at once. */
+#if QK_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
+ * element i (lane by lane: both lanes' matrices at once). */
+static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* x[0..3] then x[4..7] */
+        u[4 * h] = _mm256_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
+        v[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
+    }
+}
+
+/* 16 floats (w = d * q + m, or d * q) to a panel row as float32 or bfloat16. */
+static inline void store16(void *row, int64_t at, __m512 v, int out_dtype) {
+    if (out_dtype == DT_F32)
+        _mm512_storeu_ps((float *)row + at, v);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)row + at), f32x16_to_bf16(v));
+}
+
+/* A whole T4 / T8 tile's columns [k0, k0 + kc): row r to out + r * stride elements. A row's
+ * bytes of a sub-block are one 16-bit word of each chunk, so the chunks are transposed as 8 x 8
+ * blocks of words in registers (the per-row path gathers them one word at a time). */
+/* 16 values (bytes' low nibbles, or high with `high`) as s * q + m to a panel row at `at`. */
+static inline void store_nibbles(void *row, int64_t at, __m128i bytes, int high, float s, float m,
+                                 int out_dtype) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes);
+    const __m512i q = high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
+    store16(row, at, _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m)),
+            out_dtype);
+}
+
+/* T4K: blocks [k0, k0 + kc) / 256 of a tile, as decode_tile's. */
+static void decode_tile_k4(const uint8_t *tile, int64_t k0, int64_t kc, void *out, int64_t stride,
+                           int out_dtype) {
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2048)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2080)));
+        const __m512i a = _mm512_loadu_si512(p + 2112), b = _mm512_loadu_si512(p + 2176);
+        const __m512i c = _mm512_loadu_si512(p + 2240);
+        float s[8][16], m[8][16];
+        for (int j = 0; j < 8; j++) {
+            _mm512_storeu_ps(s[j], _mm512_mul_ps(d, k4_scale(j, 0, a, b, c)));
+            _mm512_storeu_ps(m[j], _mm512_sub_ps(_mm512_setzero_ps(),
+                                                 _mm512_mul_ps(dmin, k4_scale(j, 1, a, b, c))));
+        }
+        for (int pair = 0; pair < 4; pair++) {
+            __m256i x[8], lo[8], hi[8]; /* words t = 0-7 (columns 0-15), 8-15 (16-31) */
+            for (int t = 0; t < 8; t++) x[t] = load32(p + 512 * pair + 32 * t);
+            transpose8x8_epi16(x, lo);
+            for (int t = 0; t < 8; t++) x[t] = load32(p + 512 * pair + 256 + 32 * t);
+            transpose8x8_epi16(x, hi);
+            for (int r = 0; r < 16; r++) {
+                char *row = (char *)out + (size_t)(r * stride) * es;
+                const int64_t at = 256 * bi + 64 * pair - k0;
+                const __m128i wa = r < 8 ? _mm256_castsi256_si128(lo[r]) : _mm256_extracti128_si256(lo[r - 8], 1);
+                const __m128i wb = r < 8 ? _mm256_castsi256_si128(hi[r]) : _mm256_extracti128_si256(hi[r - 8], 1);
+                for (int h = 0; h < 2; h++) { /* sub-block 2 pair + h: low nibbles, then high */
+                    const float sv = s[2 * pair + h][r], mv = m[2 * pair + h][r];
+                    store_nibbles(row, at + 32 * h, wa, h, sv, mv, out_dtype);
+                    store_nibbles(row, at + 32 * h + 16, wb, h, sv, mv, out_dtype);
+                }
+            }
+        }
+    }
+}
+
+static void decode_tile(int type, const uint8_t *tile, int64_t k0, int64_t kc, void *out,
+                        int64_t stride, int out_dtype) {
+    if (type == T_T4K) {
+        decode_tile_k4(tile, k0, kc, out, stride, out_dtype);
+        return;
+    }
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    const int t8 = type == T_T8;
+    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
+        const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
+        __m256i x[8], lo[8], hi[8]; /* lo: chunks 0-7 (T4: all), hi: T8's 8-15 */
+        for (int c = 0; c < 8; c++) x[c] = load32(p + 32 * c);
+        transpose8x8_epi16(x, lo);
+        if (t8) {
+            for (int c = 0; c < 8; c++) x[c] = load32(p + 256 + 32 * c);
+            transpose8x8_epi16(x, hi);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + (t8 ? 512 : 256))));
+        const __m512 m = t8 ? _mm512_setzero_ps()
+                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+        float dr[16], mr[16];
+        _mm512_storeu_ps(dr, d);
+        _mm512_storeu_ps(mr, m);
+        for (int r = 0; r < 16; r++) { /* lo[r % 8]'s lane r / 8 holds row r */
+            char *row = (char *)out + (size_t)(r * stride) * es;
+            const int64_t at = 32 * g - k0;
+            const __m128i a = r < 8 ? _mm256_castsi256_si128(lo[r]) : _mm256_extracti128_si256(lo[r - 8], 1);
+            const __m512 dv = _mm512_set1_ps(dr[r]);
+            if (t8) {
+                const __m128i b = r < 8 ? _mm256_castsi256_si128(hi[r]) : _mm256_extracti128_si256(hi[r - 8], 1);
+                store16(row, at, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a))), out_dtype);
+                store16(row, at + 16, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))), out_dtype);
+            } else {
+                const __m512i q = _mm512_cvtepu8_epi32(a), mv = _mm512_set1_epi32(0xF);
+                const __m512 mm = _mm512_set1_ps(mr[r]);
+                store16(row, at, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, mv)), mm), out_dtype);
+                store16(row, at + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), mm), out_dtype);
+            }
+        }
+    }
+}
+
+int quant_decode_tile(int type, const uint8_t *tile, int64_t K, int64_t k0, int64_t kc,
+                      void *out, int64_t stride, int out_dtype) {
+    (void)K;
+    if (!IS_TILED(type)) return 0;
+    decode_tile(type, tile, k0, kc, out, stride, out_dtype);
+    return 1;
+}
+#else
+int quant_decode_tile(int type, const uint8_t *tile, int64_t K, int64_t k0, int64_t kc,
+                      void *out, int64_t stride, int out_dtype) {
+    (void)type, (void)tile, (void)K, (void)k0, (void)kc, (void)out, (void)stride, (void)out_dtype;
     return 0;
 }
 #endif
