@@ -357,13 +357,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A plain attribute, not a registered submodule: the embedding belongs to the model.
         object.__setattr__(self, "tied_to", embed)
 
-    def finalize_quantized(self, join_apart: bool = True) -> None:
+    def finalize_quantized(self, join_apart: bool = True, repack: bool = True) -> None:
         embed = self.tied_to
         if embed is not None and embed.qweight is not None:
             # The embedding (finalized first) holds the table; the head computes from it.
             self._set_qweight(embed.qweight)
             return
-        super().finalize_quantized(join_apart)
+        super().finalize_quantized(join_apart, repack)
 
     def pack_weight(self, keep_dense: bool = False) -> None:
         # A tied table must stay dense for the embedding lookup, so packing costs a copy.

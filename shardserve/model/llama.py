@@ -319,8 +319,11 @@ class LlamaForCausalLM(nn.Module):
         matmuls = [m for m in self.modules() if isinstance(m, MatmulLayer)]
         join = all(len(m.quantized_types()) <= 1 for m in matmuls)
         last = [head] if head in matmuls and head.tied else []
+        # An embedding only looked up stays in the file's layout: a repacked copy would make
+        # its whole table resident (a lookup touches a few rows of the file).
+        lookup_only = embed if embed is not None and not last else None
         with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
-            list(pool.map(lambda m: m.finalize_quantized(join),
+            list(pool.map(lambda m: m.finalize_quantized(join, repack=m is not lookup_only),
                           [m for m in matmuls if m not in last]))
         for module in last:
             module.finalize_quantized(join)

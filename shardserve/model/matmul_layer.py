@@ -91,7 +91,7 @@ class MatmulLayer(nn.Module):
         """The ggml types of the pieces load_quantized holds (until finalize_quantized)."""
         return {p.ggml_type for p in self.__dict__.get("_qpieces", {}).values()}
 
-    def finalize_quantized(self, join_apart: bool = True) -> None:
+    def finalize_quantized(self, join_apart: bool = True, repack: bool = True) -> None:
         """After loading: keep the weight quantized when every row arrived quantized and the
         kernels run here (join_apart: see QuantWeight.from_pieces); otherwise dequantize the
         quantized pieces into the dense weight."""
@@ -100,7 +100,7 @@ class MatmulLayer(nn.Module):
             return
         rows = self.weight.shape[0]
         if sum(p.shape[0] for p in pieces.values()) == rows and quantization.available():
-            self._set_qweight(QuantWeight.from_pieces(pieces, rows, join_apart))
+            self._set_qweight(QuantWeight.from_pieces(pieces, rows, join_apart, repack))
             return
         for offset, piece in pieces.items():
             self.weight.data.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())

@@ -164,12 +164,8 @@ def _row_bytes(kind: int, cols: int) -> int:
 
 def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
     """w's rows in layout `kind` (its repacked_type) into dst uint8 [rows, row_bytes]. Exact."""
-    if kind == T4K:
-        quant_repack.repack_t4k(w.data, dst, w.cols)
-    elif kind == T4:
-        quant_repack.repack_t4(w.data, dst, w.cols, has_min=w.ggml_type == Q4_1)
-    elif kind == T8:
-        quant_repack.repack_t8(w.data, dst, w.cols)
+    if kind in _TILED:
+        quant_repack.repack_tiles(w.data, dst, w.cols, w.ggml_type)
     elif w.ggml_type == Q8_0:
         quant_repack.repack_r8(w.data, dst, w.cols)
     else:
@@ -267,7 +263,7 @@ class QuantWeight:
 
     @classmethod
     def from_pieces(cls, pieces: dict[int, QuantizedTensor], rows: int,
-                    join_apart: bool = True) -> QuantWeight:
+                    join_apart: bool = True, repack: bool = True) -> QuantWeight:
         """Pieces (first row -> rows) as segments, repacked where that computes faster.
 
         Pieces of one type that follow each other join into one segment where they lie back to
@@ -287,7 +283,8 @@ class QuantWeight:
                 groups[-1].append((offset, piece))
             else:
                 groups.append([(offset, piece)])
-        segments = tuple((group[0][0], _segment([p for _, p in group])) for group in groups)
+        segments = tuple((group[0][0], _segment([p for _, p in group], repack))
+                         for group in groups)
         return cls(segments, rows, order[0][1].cols)
 
     def __post_init__(self) -> None:
@@ -349,13 +346,14 @@ def _back_to_back(a: QuantizedTensor, b: QuantizedTensor) -> bool:
         a.data.data_ptr() + a.data.numel() == b.data.data_ptr()
 
 
-def _segment(pieces: list[QuantizedTensor]) -> QuantizedTensor:
+def _segment(pieces: list[QuantizedTensor], repack: bool = True) -> QuantizedTensor:
     """One tensor of the pieces' rows in order: a view where they are back to back and keep
     their layout; else written once into new memory (repacked where repacked_type says), the
     source pages then given back (file_map.drop_pages: a file's pages would stay resident)."""
     first, rows = pieces[0], sum(p.shape[0] for p in pieces)
     # A tile may not straddle two pieces (each is repacked on its own).
-    kind = repacked_type(first, tiled=all(p.shape[0] % 16 == 0 for p in pieces))
+    kind = repacked_type(first, tiled=all(p.shape[0] % 16 == 0 for p in pieces)) \
+        if repack else None
     if kind is None and all(_back_to_back(a, b) for a, b in pairwise(pieces)):
         data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())
         return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)

@@ -42,12 +42,7 @@ def test_tiles_of_16_rows_hold_the_same_values(ggml_type: int, cols: int) -> Non
     row_bytes = cols // 256 * 144 if kind == q.T4K else cols // 32 * (34 if kind == q.T8 else 20)
     out = torch.full((80, row_bytes), 7, dtype=torch.uint8)
     dst = out.narrow(0, 16, 48)  # a tile-aligned piece of a larger buffer
-    if kind == q.T8:
-        quant_repack.repack_t8(w.data, dst, cols)
-    elif kind == q.T4K:
-        quant_repack.repack_t4k(w.data, dst, cols)
-    else:
-        quant_repack.repack_t4(w.data, dst, cols, has_min=ggml_type == q.Q4_1)
+    quant_repack.repack_tiles(w.data, dst, cols, ggml_type)
     tiled = q.QuantizedTensor(dst, kind, cols, ggml_type)
     assert torch.equal(tiled.dequantize(), w.dequantize())
     ids = torch.tensor([47, 0, 17, 17, 30])

@@ -1,0 +1,73 @@
+/*
+ * GGML blocks rewritten as tiles of 16 rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K;
+ * quant_tiles.c draws the layouts) at load: the same values, bytes moved, Q4_0's m = -8 d
+ * computed in fp16 as the kernels would. A loop of small copies per row and block: the numpy
+ * transposes this replaces took ~1 s for a 1B model's 0.47 GB of Q4_K (6-dimensional strided
+ * copies of 2-byte items), this ~0.1 s. Runs on the calling thread (the loader repacks several
+ * weights at once on a thread pool; ctypes releases the GIL).
+ */
+#include "quant_blocks.h"
+
+#if defined(__F16C__)
+/* Q4_0's offset -8 d as an fp16 (exact: a power-of-two multiple; an overflow gives inf, as
+ * fp16 arithmetic would). */
+static void q4_0_min(const uint8_t *d, uint8_t *m) {
+    const uint16_t h = _cvtss_sh(-8.f * half_to_f32(d), 0);
+    memcpy(m, &h, 2);
+}
+#else
+static void q4_0_min(const uint8_t *d, uint8_t *m) {
+    (void)d, (void)m;
+}
+#endif
+
+/* One tile of 16 rows (src rows `row_bytes` apart) into `dst`. */
+static void retile(int src_type, const uint8_t *src, int64_t row_bytes, int64_t cols, uint8_t *dst) {
+    if (src_type == T_Q4_K) {
+        for (int64_t bi = 0; bi < cols / 256; bi++) {
+            uint8_t *o = dst + T4K_BLOCK_BYTES * bi;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = src + r * row_bytes + 144 * bi;
+                for (int pt = 0; pt < 64; pt++) /* pair p = pt / 16, word t = pt % 16 */
+                    memcpy(o + 32 * pt + 2 * r, blk + 16 + 2 * pt, 2);
+                memcpy(o + 2048 + 2 * r, blk, 2);
+                memcpy(o + 2080 + 2 * r, blk + 2, 2);
+                for (int w = 0; w < 3; w++) memcpy(o + 2112 + 64 * w + 4 * r, blk + 4 + 4 * w, 4);
+            }
+        }
+        return;
+    }
+    const int t8 = src_type == T_Q8_0, bytes = t8 ? 34 : src_type == T_Q4_1 ? 20 : 18;
+    const int qs = t8 || src_type == T_Q4_0 ? 2 : 4, words = t8 ? 16 : 8;
+    const int sub_bytes = t8 ? T8_SUB_BYTES : T4_SUB_BYTES, d_at = t8 ? 512 : 256;
+    for (int64_t g = 0; g < cols / 32; g++) {
+        uint8_t *o = dst + sub_bytes * g;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *blk = src + r * row_bytes + bytes * g;
+            for (int w = 0; w < words; w++) memcpy(o + 32 * w + 2 * r, blk + qs + 2 * w, 2);
+            memcpy(o + d_at + 2 * r, blk, 2);
+            if (src_type == T_Q4_1)
+                memcpy(o + 288 + 2 * r, blk + 2, 2);
+            else if (src_type == T_Q4_0)
+                q4_0_min(blk, o + 288 + 2 * r);
+        }
+    }
+}
+
+/* rows (a multiple of 16) of `src_type` blocks into tiles at dst (rows x the same bytes a row);
+ * 0, or -2 for what this build does not tile (no F16C, another type, a stray row count). */
+int quant_retile(int src_type, const uint8_t *src, int64_t src_row_bytes, uint8_t *dst,
+                 int64_t rows, int64_t cols) {
+#if !defined(__F16C__)
+    return -2;
+#endif
+    int elems, bytes;
+    if ((src_type != T_Q4_0 && src_type != T_Q4_1 && src_type != T_Q8_0 && src_type != T_Q4_K) ||
+        rows % 16 || !block_shape(src_type, &elems, &bytes) || cols % elems)
+        return -2;
+    const int64_t dst_row_bytes = cols / elems * (src_type == T_Q4_0 ? 20 : bytes);
+    for (int64_t t = 0; t < rows / 16; t++)
+        retile(src_type, src + 16 * t * src_row_bytes, src_row_bytes, cols,
+               dst + 16 * t * dst_row_bytes);
+    return 0;
+}
