@@ -50,7 +50,8 @@ QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
 ROWS_SOURCE = Path(__file__).parent / "csrc" / "quant_rows.c"
 # And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
 TILES_SOURCE = Path(__file__).parent / "csrc" / "quant_tiles.c"
-# And the load-time rewrite of GGML blocks as those tiles.
+# And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
+TILE_PANELS_SOURCE = Path(__file__).parent / "csrc" / "quant_tile_panels.c"
 RETILE_SOURCE = Path(__file__).parent / "csrc" / "quant_retile.c"
 # And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
 GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
@@ -154,8 +155,8 @@ def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | Non
     if compiler is None:
         raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
     flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, TILES_SOURCE, RETILE_SOURCE, GEMM_SOURCE,
-               PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
+    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
+               RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
     cache = Path(cache_dir or envs.cache_dir()) / "kernels"
     target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
     if target.exists():
@@ -204,6 +205,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_gemm": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
         "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
         "quant_can_repack": [],
+        "quant_can_tile": [],
         "quant_retile": [i32, ptr, i64, ptr, i64, i64],
         "decode_layers": [ptr, i64, ptr],
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,

@@ -144,15 +144,16 @@ def available() -> bool:
 
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     """T4 for Q4_0 / Q4_1, T8 for Q8_0 and T4K for Q4_K where `tiled` (the caller's pieces)
-    and w's rows come in multiples of 16; else R4 (cols a multiple of 64) and R8 (Q4_K keeps
-    its layout); where this build's kernels compute those faster (AVX-512); None to keep w's
-    layout."""
-    if w.ggml_type not in (Q4_0, Q4_1, Q8_0, Q4_K) or \
-            not native_kernels.lib().quant_can_repack():
+    and w's rows come in multiples of 16 and this build computes tiles (AVX-512); else R4
+    (cols a multiple of 64) and R8 where it computes those (AVX-512; Q4_K keeps its layout);
+    None to keep w's layout."""
+    if w.ggml_type not in (Q4_0, Q4_1, Q8_0, Q4_K):
         return None
-    if tiled and w.shape[0] % 16 == 0:
+    lib = native_kernels.lib()
+    if tiled and w.shape[0] % 16 == 0 and lib.quant_can_tile():
         return {Q4_K: T4K, Q8_0: T8}.get(w.ggml_type, T4)
-    if w.ggml_type == Q4_K or (w.ggml_type != Q8_0 and w.cols % 64):
+    if w.ggml_type == Q4_K or (w.ggml_type != Q8_0 and w.cols % 64) or \
+            not lib.quant_can_repack():
         return None
     return R8 if w.ggml_type == Q8_0 else R4
 

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(
     not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
 )
 
-SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.ROWS_SOURCE, nk.TILES_SOURCE, nk.RETILE_SOURCE,
-           nk.GEMM_SOURCE, nk.PANEL_SOURCE, nk.DECODE_SOURCE)
+SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.ROWS_SOURCE, nk.TILES_SOURCE, nk.TILE_PANELS_SOURCE,
+           nk.RETILE_SOURCE, nk.GEMM_SOURCE, nk.PANEL_SOURCE, nk.DECODE_SOURCE)
 
 
 def _key() -> str:

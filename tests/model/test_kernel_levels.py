@@ -177,20 +177,24 @@ def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library,
     lib = level_library(level)
     features = set(kernel_levels.isa_features(lib))
     assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
+    assert bool(lib.quant_can_tile()) == bool(lib.quant_can_repack())
     types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
-    want = {"Q4_0": q.T4, "Q4_1": q.T4, "Q4_1 (pieces)": q.R4, "Q8_0": q.T8,
-            "Q8_0 (pieces)": q.R8, "int8": q.T8, "Q4_K": q.T4K}
+    tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K}
+    rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
+    want = (tiles if lib.quant_can_tile() else {}) | (rows if lib.quant_can_repack() else {})
     repacked = {name: t for name, t in types.items() if t in (q.R4, q.R8, q.T4, q.T8, q.T4K)}
-    assert repacked == (want if lib.quant_can_repack() else {})
+    assert repacked == want
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, level):
     """Repacked bytes hold the same values as their blocks: the portable build (which
     decodes them in plain C) computes them bit for bit as the original blocks."""
-    if not level_library(level).quant_can_repack():
+    lib = level_library(level)
+    if not lib.quant_can_tile():
         pytest.skip(f"{level} does not repack")
-    for name in ("Q4_0", "Q4_1", "Q4_1 (pieces)", "Q8_0", "Q8_0 (pieces)", "int8", "Q4_K"):
+    pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
+    for name in ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", *pieces):
         with nk.using(level_library(level)):
             packed = weight_as_loaded(name)
         with nk.using(level_library("portable")):

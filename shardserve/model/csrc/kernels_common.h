@@ -56,9 +56,9 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
 /* Elements [k0, k0 + kc) of row n of a weight (rows row_bytes apart from w). */
 void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
                         int64_t k0, int64_t kc, void *out, int out_dtype);
-/* Rows [0, 16) of a T4 / T8 tile at once, row r to out + r * stride elements; 0 where this
- * build cannot (the caller then decodes row by row). */
-int quant_decode_tile(int type, const uint8_t *tile, int64_t K, int64_t k0, int64_t kc,
+/* Rows [r0, r1) of a tile of 16 (quant_tile_panels.c), row r to out + (r - r0) * stride
+ * elements; 0 where this build cannot (the caller then decodes row by row). */
+int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
                       void *out, int64_t stride, int out_dtype);
 int quant_block_shape(int type, int *elems, int *bytes);
 

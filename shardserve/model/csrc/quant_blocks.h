@@ -138,6 +138,17 @@ static inline __m256i high_nibbles(__m256i v) {
 static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 
+/* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
+static inline __m128i f32x8_to_bf16(__m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return (__m128i)_mm256_cvtneps_pbh(v); /* the same rounding (see f32x16_to_bf16) */
+#endif
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -238,20 +249,16 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-/* T4K: sub-block j's 6-bit scale (mins: `min`) for 16 rows from their A, B, C words. */
+/* T4K: sub-block j's 6-bit scale (mins: `min`) for a tile's 16 rows from their A, B, C words
+ * (k4_unpack's arithmetic, a row per lane). */
 ALWAYS_INLINE __m512 k4_scale(int j, int min, __m512i a, __m512i b, __m512i c) {
     const __m512i lo6 = min ? b : a; /* j < 4: 6 bits of byte j; else 4 bits of C, 2 of lo6 */
-    __m512i v;
-    if (j < 4) {
-        v = _mm512_and_si512(_mm512_srli_epi32(lo6, 8 * j), _mm512_set1_epi32(63));
-    } else {
-        const __m512i low = _mm512_and_si512(_mm512_srli_epi32(c, 8 * (j - 4) + 4 * min),
-                                             _mm512_set1_epi32(0xF));
-        const __m512i top = _mm512_and_si512(_mm512_srli_epi32(lo6, 8 * (j - 4) + 2),
-                                             _mm512_set1_epi32(0x30));
-        v = _mm512_or_si512(low, top);
-    }
-    return _mm512_cvtepi32_ps(v);
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0xF);
+    if (j < 4) return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lo6, 8 * j), m6));
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(c, 8 * (j - 4) + 4 * min), m4);
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(lo6, 8 * (j - 4) + 2),
+                                         _mm512_set1_epi32(0x30));
+    return _mm512_cvtepi32_ps(_mm512_or_si512(low, top));
 }
 #endif
 #endif
@@ -261,6 +268,8 @@ ALWAYS_INLINE __m512 k4_scale(int j, int min, __m512i a, __m512i b, __m512i c) {
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads);
+/* quant_tiles.c: whether this build computes tiles on its SIMD path (AVX-512 BW/VL, F16C). */
+int quant_can_tile(void);
 /* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
  * SIMD path for them. */
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

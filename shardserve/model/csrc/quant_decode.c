@@ -9,13 +9,6 @@
 #include "quant_blocks.h"
 
 #if QK_SIMD
-/* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
-static inline __m128i f32x8_to_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 /* One weight row of K elements as float32 / bfloat16 (s * q + m in one fused rounding). */
 ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, void *out,

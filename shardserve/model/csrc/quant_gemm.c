@@ -170,6 +170,24 @@ static void micro_bf16_any(int mr, int nc, const uint16_t *x, int64_t xs, const 
 #define GEMM_BF16 0
 #endif
 
+/* A tiled weight's panel rows [n0, n0 + nt) from the tiles of 16 they lie in, each tile's
+ * rows at once (NT is 16 with AVX-512, 12 with AVX2); 0 where this build does not. */
+static int decode_from_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                             int64_t nt, int64_t k0, int64_t kc, void *panel, int64_t ps,
+                             int bf16) {
+    const size_t es = bf16 ? 2 : 4;
+    for (int64_t t = n0 / 16; t * 16 < n0 + nt; t++) {
+        const int64_t first = t * 16 > n0 ? t * 16 : n0;
+        const int64_t end = t * 16 + 16 < n0 + nt ? t * 16 + 16 : n0 + nt;
+        if (!quant_decode_tile(type, w + 16 * t * row_bytes, (int)(first - 16 * t),
+                               (int)(end - 16 * t), k0, kc,
+                               (char *)panel + (size_t)((first - n0) * ps) * es, ps,
+                               bf16 ? DT_BF16 : DT_F32))
+            return 0;
+    }
+    return 1;
+}
+
 /* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x
  * (bfloat16 x and panels where `bf16`, else float32). */
 static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void *x, int64_t xs,
@@ -180,10 +198,7 @@ static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void 
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
-        /* A tiled weight's tile at once where the panel is one whole tile (AVX-512: NT 16). */
-        if (nt != 16 || n0 % 16 ||
-            !quant_decode_tile(type, w + n0 * row_bytes, K, k0, kc, panel, ps,
-                               bf16 ? DT_BF16 : DT_F32))
+        if (!decode_from_tiles(type, w, row_bytes, n0, nt, k0, kc, panel, ps, bf16))
             for (int64_t c = 0; c < nt; c++)
                 decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
                             (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);

@@ -1,0 +1,136 @@
+/*
+ * The GEMM's panels (quant_gemm.c) decoded from a whole tile at once (quant_tiles.c draws the
+ * T4 / T8 / T4K layouts): a row's bytes of a sub-block are one 16-bit word of each chunk, so
+ * the chunks are transposed as 8 x 8 blocks of words in registers (row by row they would be
+ * gathered a word at a time), then 16 values at a time are written as w = s * q + m in one
+ * fused rounding, float32 or bfloat16. AVX-512 builds (those that tile); the others decode
+ * tiles row by row (quant_decode.c).
+ */
+#include "quant_blocks.h"
+
+#if QK_SIMD && defined(__AVX512F__)
+/* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
+ * element i (lane by lane: both lanes' matrices at once). */
+static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* x[0..3] then x[4..7] */
+        u[4 * h] = _mm256_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
+        v[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
+    }
+}
+
+/* Row r's 16 bytes of the transposed words (lane r / 8 of v[r % 8]). */
+static inline __m128i row_bytes16(const __m256i *v, int r) {
+    return r < 8 ? _mm256_castsi256_si128(v[r]) : _mm256_extracti128_si256(v[r - 8], 1);
+}
+
+enum { LOW4, HIGH4, SIGNED8 };
+
+/* 16 values from 16 bytes (their low or high nibbles, or the signed bytes) as s * q + m to a
+ * panel row at element `at`. */
+static inline void emit16(void *row, int64_t at, __m128i bytes, int kind, float s, float m,
+                          int out_dtype) {
+    __m512i q = kind == SIGNED8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    if (kind == HIGH4) q = _mm512_srli_epi32(q, 4);
+    if (kind == LOW4) q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
+    const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
+    if (out_dtype == DT_F32)
+        _mm512_storeu_ps((float *)row + at, v);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)row + at), f32x16_to_bf16(v));
+}
+
+/* The words of 8 chunks 32 bytes apart from p, transposed: row r's 16 bytes. */
+static inline void load_transposed(const uint8_t *p, __m256i *v) {
+    __m256i x[8];
+    for (int c = 0; c < 8; c++) x[c] = load32(p + 32 * c);
+    transpose8x8_epi16(x, v);
+}
+
+/* T4K: blocks [k0, k0 + kc) / 256 of a tile's rows [r0, r1); s = d sc_j, m = -dmin m_j. */
+static void decode_tile_k4(const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc, void *out,
+                           int64_t stride, int out_dtype) {
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2048)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2080)));
+        const __m512i a = _mm512_loadu_si512(p + 2112), b = _mm512_loadu_si512(p + 2176);
+        const __m512i c = _mm512_loadu_si512(p + 2240);
+        float s[8][16], m[8][16];
+        for (int j = 0; j < 8; j++) {
+            _mm512_storeu_ps(s[j], _mm512_mul_ps(d, k4_scale(j, 0, a, b, c)));
+            _mm512_storeu_ps(m[j], _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
+                                                 k4_scale(j, 1, a, b, c)));
+        }
+        for (int pair = 0; pair < 4; pair++) {
+            __m256i lo[8], hi[8]; /* words t = 0-7 (columns 0-15), 8-15 (16-31) */
+            load_transposed(p + 512 * pair, lo);
+            load_transposed(p + 512 * pair + 256, hi);
+            for (int r = r0; r < r1; r++) {
+                char *row = (char *)out + (size_t)((r - r0) * stride) * es;
+                const int64_t at = 256 * bi + 64 * pair - k0;
+                for (int h = 0; h < 2; h++) { /* sub-block 2 pair + h: low nibbles, then high */
+                    const int kind = h ? HIGH4 : LOW4, j = 2 * pair + h;
+                    emit16(row, at + 32 * h, row_bytes16(lo, r), kind, s[j][r], m[j][r], out_dtype);
+                    emit16(row, at + 32 * h + 16, row_bytes16(hi, r), kind, s[j][r], m[j][r], out_dtype);
+                }
+            }
+        }
+    }
+}
+
+/* T4 / T8: sub-blocks [k0, k0 + kc) / 32 of a tile's rows [r0, r1). */
+static void decode_tile_32(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
+                           void *out, int64_t stride, int out_dtype) {
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    const int t8 = type == T_T8;
+    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
+        const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
+        __m256i lo[8], hi[8]; /* T4: chunks 0-7; T8: pairs 0-7, then 8-15 */
+        load_transposed(p, lo);
+        if (t8) load_transposed(p + 256, hi);
+        for (int r = r0; r < r1; r++) {
+            char *row = (char *)out + (size_t)((r - r0) * stride) * es;
+            const int64_t at = 32 * g - k0;
+            const float d = half_to_f32(p + (t8 ? 512 : 256) + 2 * r);
+            if (t8) {
+                emit16(row, at, row_bytes16(lo, r), SIGNED8, d, 0.f, out_dtype);
+                emit16(row, at + 16, row_bytes16(hi, r), SIGNED8, d, 0.f, out_dtype);
+            } else {
+                const float m = half_to_f32(p + 288 + 2 * r);
+                emit16(row, at, row_bytes16(lo, r), LOW4, d, m, out_dtype);
+                emit16(row, at + 16, row_bytes16(lo, r), HIGH4, d, m, out_dtype);
+            }
+        }
+    }
+}
+
+int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
+                      void *out, int64_t stride, int out_dtype) {
+    if (type == T_T4K)
+        decode_tile_k4(tile, r0, r1, k0, kc, out, stride, out_dtype);
+    else if (type == T_T4 || type == T_T8)
+        decode_tile_32(type, tile, r0, r1, k0, kc, out, stride, out_dtype);
+    else
+        return 0;
+    return 1;
+}
+#else
+int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
+                      void *out, int64_t stride, int out_dtype) {
+    (void)type, (void)tile, (void)r0, (void)r1, (void)k0, (void)kc, (void)out, (void)stride,
+        (void)out_dtype;
+    return 0;
+}
+#endif
