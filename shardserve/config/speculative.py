@@ -70,6 +70,12 @@ class SpeculativeConfig:
     """With more running requests than this, propose nothing: a large batch is no longer bound
     by reading the weights, so verifying drafts costs more than it saves. Provisional
     default, to be set from bench/spec_decode.py."""
+    max_verify_rows: int = 8
+    """A step's rows (its running requests' tokens plus their drafts) up to which drafts are
+    scheduled, shared evenly among the requests; 0: no cap. Verifying pays while a step stays
+    on the few-rows kernels (8 rows of x over the tiles: quantization.ROWS_MAX_TILES): measured
+    with bench/spec_decode.py on the default model (2-core Zen 4), uncapped drafts at 4 and 8
+    running requests took the step to the panel GEMM and ran 0.72-0.92x no speculation."""
 
     def __post_init__(self) -> None:
         _check_method(self.method)
@@ -139,6 +145,7 @@ class SpeculativeConfig:
               f"proposing)")
         _check_int("speculation_backoff_steps", self.speculation_backoff_steps, minimum=1)
         _check_int("max_batch_for_speculation", self.max_batch_for_speculation, minimum=1)
+        _check_int("max_verify_rows", self.max_verify_rows, minimum=0)
 
 
 def _check_method(method: object) -> None:

@@ -124,6 +124,7 @@ class Scheduler(SchedulerResults):
         self._seq_cap = self._micro_batch_cap()
         self._structured = {}
         self._spec_tokens = {}
+        self.spec.begin_step(len(self.running))
         budget = self._schedule_running(budget, num_tokens, cached, preempted)
         new_reqs: list[NewRequestData] = []
         if not preempted:  # a full pool admits nobody new this step

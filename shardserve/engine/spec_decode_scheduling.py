@@ -27,6 +27,7 @@ paused (below) runs asynchronously as before.
 
 Never slower: worker/spec_decode's SpeculationGate, consulted once per request per step,
 decides whether its drafts are used (none above max_batch_for_speculation running requests;
+at most max_verify_rows rows a step, drafts included, shared among the requests;
 none for speculation_backoff_steps steps after its recent acceptance fell below
 min_acceptance_rate, then a probe). The workers also propose nothing above the batch limit.
 """
@@ -59,21 +60,34 @@ class SpecDecodeScheduling:
         self.k = (config.num_speculative_tokens or 0) if config is not None else 0
         self.gate = SpeculationGate.from_config(config) if config is not None else None
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.max_rows = config.max_verify_rows if config is not None else 0
+        self._rows_left = self._requests_left = 0
+
+    def begin_step(self, num_running: int) -> None:
+        """A step's draft budget: max_verify_rows less one row per running request, shared
+        among them as they are scheduled (each takes its share of what is left)."""
+        self._rows_left = max(0, self.max_rows - num_running) if self.max_rows else 1 << 30
+        self._requests_left = max(1, num_running)
 
     def take_drafts(self, request: Request, usable: bool, budget: int, room: int,
                     num_running: int) -> list[int]:
         """The drafts to verify with the request's next token (called once per scheduled step
         of a running request): none unless the gate says so and they are `usable` (proposed
         after its last token, which is all it computes now); at most `budget` - 1 (the step's
-        tokens left) and `room`. The request's drafts are used up either way."""
+        tokens left), `room` and its share of the step's rows (begin_step). The request's
+        drafts are used up either way."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
         if self.gate is None:
             return []
+        share = self._rows_left // self._requests_left
+        self._requests_left = max(1, self._requests_left - 1)
         # request.spec: the gate's last word on the request (holds_back reads it).
         request.spec = self.gate.should_propose(request.request_id, num_running)
         if not (request.spec and usable and drafts):
             return []
-        return drafts[:max(0, min(budget - 1, room, self.k))]
+        taken = drafts[:max(0, min(budget - 1, room, self.k, share))]
+        self._rows_left -= len(taken)
+        return taken
 
     def holds_back(self, request: Request) -> bool:
         """Async scheduling: a speculating request with a step in flight waits for it (its

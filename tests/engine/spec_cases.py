@@ -19,7 +19,8 @@ from shardserve.sampling_params import StructuredOutputsParams as S
 
 ECHO = 66  # the echo model's p(66 | 66 ...) is 0.50
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "max_batch_for_speculation": 64, "min_acceptance_rate": 0.0}
+         "prompt_lookup_max": 3, "max_batch_for_speculation": 64, "min_acceptance_rate": 0.0,
+         "max_verify_rows": 0}
 PROMPTS = [[ECHO] * 8, [ECHO, 5, ECHO, 5, ECHO, 5], [7, 8, 9, 7, 8, 9, 7, 8], [285, 330, 91],
            [57] * 3 + [70] * 3]
 SPECS = [S(regex=r"[a-c]{2,6}-\d{1,3}"), S(choice=["red", "green", "blue", "dark blue"]),

@@ -116,7 +116,7 @@ def test_metrics(sync_runs):
 def test_suffix_identical(echo_model, reference):
     """Suffix decoding (worker/spec_decode/suffix_tree.py) proposes through the same path."""
     suffix = {"method": "suffix", "num_speculative_tokens": K, "max_batch_for_speculation": 64,
-              "min_acceptance_rate": 0.0}
+              "min_acceptance_rate": 0.0, "max_verify_rows": 0}
     llm = _engine(echo_model, async_scheduling=False, speculative_config=suffix)
     try:
         _check(llm, reference)
@@ -184,6 +184,26 @@ def test_never_slower_gates(echo_model):
         assert stats.num_drafts == 1 and stats.num_accepted_tokens == 0  # then paused
         llm.generate([accepted], greedy, use_tqdm=False)
         assert stats.num_drafts > 2 and stats.num_accepted_tokens > 10  # all accepted: on
+    finally:
+        _shutdown(llm)
+
+
+def test_drafts_share_the_steps_verify_rows(echo_model):
+    """max_verify_rows caps a step's rows, drafts included, shared among its requests: 4
+    running under a cap of 8 verify one draft each a step (4 + 4 rows); alone, a request takes
+    up to k."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    accepted = {"prompt_token_ids": PROMPTS[0]}
+    llm = _engine(echo_model, async_scheduling=False,
+                  speculative_config={**NGRAM, "max_verify_rows": 8})
+    try:
+        stats = llm.engine.core.scheduler.spec.stats
+        llm.generate([accepted] * 4, greedy, use_tqdm=False)
+        assert stats.num_drafts > 8 and stats.num_draft_tokens == stats.num_drafts
+        before = stats.num_draft_tokens, stats.num_drafts
+        llm.generate([accepted], greedy, use_tqdm=False)
+        drafted, steps = stats.num_draft_tokens - before[0], stats.num_drafts - before[1]
+        assert steps > 0 and drafted > steps  # up to k = 3 each
     finally:
         _shutdown(llm)
 
