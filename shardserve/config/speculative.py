@@ -66,10 +66,14 @@ class SpeculativeConfig:
     speculation_backoff_steps: int = 32
     """Steps a request goes without proposals after its acceptance fell below
     min_acceptance_rate, before one probing proposal. Provisional default."""
-    max_batch_for_speculation: int = 16
-    """With more running requests than this, propose nothing: a large batch is no longer bound
-    by reading the weights, so verifying drafts costs more than it saves. Provisional
-    default, to be set from bench/spec_decode.py."""
+    max_batch_for_speculation: int = 2
+    """With more running requests than this, propose nothing: a larger batch is no longer bound
+    by reading the weights, so verifying drafts costs more than it saves. Measured with
+    bench/spec_decode.py on the default model (2-core Zen 4, k = 4, ngram), tok/s over no
+    speculation on the code / free sets: 1 running 2.11x / 1.05x, 2 running 1.54x / 1.02x,
+    4 running 0.98x / 0.85x (one draft each under max_verify_rows: the few-rows kernels cost
+    about in proportion to the rows from 4 rows of x on). A machine with more cores or
+    bandwidth per core may raise it."""
     max_verify_rows: int = 8
     """A step's rows (its running requests' tokens plus their drafts) up to which drafts are
     scheduled, shared evenly among the requests; 0: no cap. Verifying pays while a step stays

@@ -28,7 +28,8 @@ CODE = '''def scale(values, x):
 EDIT = ("Rewrite this Python function with the variable x renamed to factor:\n\n```python\n"
         + CODE + "```")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 5, "max_verify_rows": 0}  # drafts at every width
+         "prompt_lookup_max": 5, "max_verify_rows": 0,  # drafts at every width
+         "max_batch_for_speculation": 64}
 MAX_TOKENS = 24
 
 

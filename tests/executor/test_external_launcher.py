@@ -81,7 +81,7 @@ def test_torchrun_speculative_decoding_equals_uni(echo_model, tmp_path) -> None:
                "Hello"]
     want = _uni(echo_model, prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3, "min_acceptance_rate": 0.0}
+            "prompt_lookup_max": 3, "min_acceptance_rate": 0.0, "max_batch_for_speculation": 64}
     got = _torchrun(echo_model, tmp_path, prompts, 1, 2, False, {"speculative_config": spec})
     assert all(tokens == want for tokens, _, _ in got), (got, want)
     assert all(accepted > 0 for _, accepted, _ in got), got  # drafts were really verified

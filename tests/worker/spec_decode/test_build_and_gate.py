@@ -51,4 +51,4 @@ def test_gate_at_zero_rate_never_backs_off():
     for _ in range(5):
         gate.record("r", drafted=3, accepted=0)
     assert gate.should_propose("r", 1)
-    assert (gate.backoff_steps, gate.max_batch) == (32, 16)
+    assert (gate.backoff_steps, gate.max_batch) == (32, 2)
