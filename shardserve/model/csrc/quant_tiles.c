@@ -1,6 +1,7 @@
 /*
- * Weights in tiles of 16 output rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, repacked at load where
- * a weight's rows come in multiples of 16), and their product with a few rows of x.
+ * Weights in tiles of 16 output rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K, written
+ * at load by quant_retile.c where a weight's rows come in multiples of 16), and their product
+ * with a few rows of x.
  *
  * Why tiles: in a row layout (R4) every sub-block of 32 weights ends in a float step per row
  * of x (its integer dot converted, then scaled by d_w * d_x): at batch 1 that is as many
