@@ -2,10 +2,10 @@
 and T4 / T8 / T4K tiles of 16 rows (csrc/quant_tiles.c, written by csrc/quant_retile.c), which
 the AVX-512 few-rows kernels read faster: the same values and bytes, moved.
 
-Done with numpy on int16 views of the blocks: numpy runs each call on the calling thread with
-the GIL released, so several weights repack at once on a thread pool (torch's elementwise ops
-would each start its own OpenMP team: on 2 cores with other work running they were 10-30x
-slower), and the int16 views halve the elements touched. ~0.3 s for the default model's 92 MB.
+R4 / R8 are done with numpy on int16 views of the blocks (the tiles in C): numpy runs each call
+on the calling thread with the GIL released, so several weights repack at once on a thread pool
+(torch's elementwise ops would each start its own OpenMP team: on 2 cores with other work running
+they were 10-30x slower), and the int16 views halve the elements touched.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ def repack_r8(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
     out = dst.numpy().view(np.int16)
     out[:, : cols // 2].reshape(rows, nb, 16, copy=False)[:] = blocks[:, :, 1:]
     out[:, cols // 2 :] = blocks[:, :, 0]
-
 
 
 def repack_tiles(src: torch.Tensor, dst: torch.Tensor, cols: int, src_type: int) -> None:

@@ -174,7 +174,7 @@ def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
 
 
 def repack(w: QuantizedTensor) -> QuantizedTensor:
-    """w as T4 / R4 / R8 where repacked_type says so, else unchanged. Exact: same values."""
+    """w as repacked_type says (a tile or R4 / R8), else unchanged. Exact: same values."""
     kind = repacked_type(w)
     if kind is None:
         return w

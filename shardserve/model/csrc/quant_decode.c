@@ -57,14 +57,31 @@ ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, voi
 
 #endif
 
+/* Blocks [k0, k0 + kc) of a row into r: a GGML row's through decode_row, a tiled one's (row:
+ * its tile, `lane` its row there) through its tile's row decode. */
+static void decode_part(int type, const uint8_t *row, int lane, int64_t k0, int64_t kc,
+                        row_t *r) {
+    if (type == T_T4K) {
+        decode_t4k_row(row + k0 / 256 * T4K_BLOCK_BYTES, lane, kc, r);
+    } else if (type == T_T8) {
+        decode_t8_row(row + k0 / 32 * T8_SUB_BYTES, lane, kc, r);
+    } else if (type == T_T4) {
+        decode_t4_row(row + k0 / 32 * T4_SUB_BYTES, lane, kc, r);
+    } else {
+        int elems = 32, bytes = 0;
+        block_shape(type, &elems, &bytes);
+        decode_row(row + k0 / elems * bytes, kc, type, r);
+    }
+}
+
 /*
  * Elements [k0, k0 + kc) of one weight row of K as float32 or bfloat16 (w = s * q + m, rounded
  * once): k0 and kc whole blocks, kc <= QDECODE_MAX. The portable path (quant_decode_chunk
- * takes the SIMD ones first): the GGML types through decode_row; the repacked R4 / R8 rows keep
- * their scales at the row's end, so they are read where they lie.
+ * takes the SIMD ones first): the GGML types and tiles through decode_part; the repacked R4 /
+ * R8 rows keep their scales at the row's end, so they are read where they lie.
  */
-static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0, int64_t kc,
-                             float *out) {
+static void decode_chunk_f32(int type, const uint8_t *row, int lane, int64_t K, int64_t k0,
+                             int64_t kc, float *out) {
     if (type == T_R4 || type == T_R8) {
         const uint8_t *d16 = row + (type == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
         for (int64_t sub = k0 / 32; sub < (k0 + kc) / 32; sub++) {
@@ -82,14 +99,11 @@ static void decode_chunk_f32(int type, const uint8_t *row, int64_t K, int64_t k0
         }
         return;
     }
-    int elems = 32, bytes = 0;
-    block_shape(type, &elems, &bytes);
-    const uint8_t *first = row + k0 / elems * bytes;
     uint8_t q[QDECODE_MAX];
     float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
     row_t r = {q, s, m};
-    decode_row(first, kc, type, &r);
-    const int is_signed = type == T_Q8_0;
+    decode_part(type, row, lane, k0, kc, &r);
+    const int is_signed = type == T_Q8_0 || type == T_T8;
     for (int64_t k = 0; k < kc; k++) {
         const float v = is_signed ? (float)(int8_t)q[k] : (float)q[k];
         out[k] = s[k / 16] * v + m[k / 16];
@@ -127,105 +141,12 @@ static void decode_r_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, 
 }
 #endif
 
-/* T4: lane `lane`'s values of kc / 32 consecutive sub-blocks of its tile from `sub` (quant_tiles.c
- * draws the layout; w = d * q + m, fused where SIMD as decode_r_chunk's R4). A row's 16 bytes of
- * a sub-block are 2 from each of its 8 chunks: low nibbles columns 0-15, high ones 16-31. */
-static void decode_t4_chunk(const uint8_t *sub, int lane, int64_t kc, void *out, int out_dtype) {
-    for (int64_t g = 0; g < kc / 32; g++) {
-        const uint8_t *p = sub + T4_SUB_BYTES * g;
-        const float d = half_to_f32(p + 256 + 2 * lane), m = half_to_f32(p + 288 + 2 * lane);
-#if QK_SIMD && defined(__AVX512F__)
-        /* the lane's 2 bytes of each chunk: a gather of 8 words (their low halves) */
-        const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224),
-                                             _mm256_set1_epi32(2 * lane));
-        const __m512i b = _mm512_cvtepu8_epi32(
-            _mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)p, idx, 1)));
-        for (int half = 0; half < 2; half++) {
-            const __m512i q = half ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
-            const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
-            const int64_t at = 32 * g + 16 * half;
-            if (out_dtype == DT_F32)
-                _mm512_storeu_ps((float *)out + at, v);
-            else
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), f32x16_to_bf16(v));
-        }
-#else
-        uint8_t bytes[16];
-        for (int c = 0; c < 8; c++) memcpy(bytes + 2 * c, p + 32 * c + 2 * lane, 2);
-        for (int l = 0; l < 32; l++) {
-            const float v = d * (float)(l < 16 ? bytes[l] & 0xF : bytes[l - 16] >> 4) + m;
-            if (out_dtype == DT_F32)
-                ((float *)out)[32 * g + l] = v;
-            else
-                ((uint16_t *)out)[32 * g + l] = f32_to_bf16(v);
-        }
-#endif
-    }
-}
-
-/* T4K: lane `lane`'s values of kc / 256 blocks from `blk`, through the portable row decode. */
-static void decode_t4k_chunk(const uint8_t *blk, int lane, int64_t kc, void *out, int out_dtype) {
-    uint8_t q[QDECODE_MAX];
-    float s[QDECODE_MAX / 16], m[QDECODE_MAX / 16];
-    row_t r = {q, s, m};
-    decode_t4k_row(blk, lane, kc, &r);
-    for (int64_t k = 0; k < kc; k++) {
-        const float v = s[k / 16] * (float)q[k] + m[k / 16];
-        if (out_dtype == DT_F32)
-            ((float *)out)[k] = v;
-        else
-            ((uint16_t *)out)[k] = f32_to_bf16(v);
-    }
-}
-
-/* T8: lane `lane`'s values of kc / 32 sub-blocks from `sub` (w = d * q, as R8's). */
-static void decode_t8_chunk(const uint8_t *sub, int lane, int64_t kc, void *out, int out_dtype) {
-    for (int64_t g = 0; g < kc / 32; g++) {
-        const uint8_t *p = sub + T8_SUB_BYTES * g;
-        const float d = half_to_f32(p + 512 + 2 * lane);
-#if QK_SIMD && defined(__AVX512F__)
-        /* the lane's 2 bytes of each 32: a gather of 16 words (their low halves) */
-        const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(
-            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(32)),
-            _mm512_set1_epi32(2 * lane));
-        const __m256i bytes = _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, p, 1));
-        for (int half = 0; half < 2; half++) {
-            const __m512i qi = _mm512_cvtepi8_epi32(half ? _mm256_extracti128_si256(bytes, 1)
-                                                         : _mm256_castsi256_si128(bytes));
-            const __m512 v = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(qi));
-            const int64_t at = 32 * g + 16 * half;
-            if (out_dtype == DT_F32)
-                _mm512_storeu_ps((float *)out + at, v);
-            else
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), f32x16_to_bf16(v));
-        }
-        continue;
-#endif
-        int8_t q[32];
-        for (int pair = 0; pair < 16; pair++) memcpy(q + 2 * pair, p + 32 * pair + 2 * lane, 2);
-        for (int l = 0; l < 32; l++) {
-            const float v = d * (float)q[l];
-            if (out_dtype == DT_F32)
-                ((float *)out)[32 * g + l] = v;
-            else
-                ((uint16_t *)out)[32 * g + l] = f32_to_bf16(v);
-        }
-    }
-}
-
 void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
                         int64_t k0, int64_t kc, void *out, int out_dtype) {
-    if (IS_TILED(type)) { /* the sub-blocks [k0, k0 + kc) / 32 of row n's tile */
-        const uint8_t *tile = w + (n - n % 16) * row_bytes;
-        if (type == T_T4)
-            decode_t4_chunk(tile + k0 / 32 * T4_SUB_BYTES, (int)(n % 16), kc, out, out_dtype);
-        else if (type == T_T8)
-            decode_t8_chunk(tile + k0 / 32 * T8_SUB_BYTES, (int)(n % 16), kc, out, out_dtype);
-        else
-            decode_t4k_chunk(tile + k0 / 256 * T4K_BLOCK_BYTES, (int)(n % 16), kc, out, out_dtype);
-        return;
-    }
-    const uint8_t *row = w + n * row_bytes;
+    /* A tiled row (builds that tile decode whole tiles: quant_tile_panels.c) goes portable,
+     * from its tile. */
+    const int tiled = IS_TILED(type), lane = tiled ? (int)(n % 16) : 0;
+    const uint8_t *row = w + (n - lane) * row_bytes;
 #if QK_SIMD && defined(__AVX512F__)
     if (type == T_R4 || type == T_R8) {
         decode_r_chunk(type, row, K, k0, kc, out, out_dtype);
@@ -233,7 +154,7 @@ void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n
     }
 #endif
 #if QK_SIMD
-    if (type != T_R4 && type != T_R8) { /* the GGML types, decoded in registers */
+    if (type != T_R4 && type != T_R8 && !tiled) { /* the GGML types, decoded in registers */
         int elems = 32, bytes = 0;
         block_shape(type, &elems, &bytes);
         const uint8_t *first = row + k0 / elems * bytes;
@@ -248,10 +169,10 @@ void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n
     }
 #endif
     if (out_dtype == DT_F32) {
-        decode_chunk_f32(type, row, K, k0, kc, (float *)out);
+        decode_chunk_f32(type, row, lane, K, k0, kc, (float *)out);
         return;
     }
     float tmp[QDECODE_MAX];
-    decode_chunk_f32(type, row, K, k0, kc, tmp);
+    decode_chunk_f32(type, row, lane, K, k0, kc, tmp);
     for (int64_t k = 0; k < kc; k++) ((uint16_t *)out)[k] = f32_to_bf16(tmp[k]);
 }

@@ -100,10 +100,6 @@ static inline ivec i_s8(const uint8_t *p) { return _mm512_cvtepi8_epi16(load32(p
 static inline ivec i_low4(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi16(0xF)); }
 static inline ivec i_high4(ivec v) { return _mm512_srli_epi16(v, 4); }
 static inline ivec i_words(const uint8_t *p) { return _mm512_loadu_si512(p); }
-ALWAYS_INLINE ivec i_bits(ivec v, int shift, int mask) { /* (v >> shift) & mask per int32 */
-    return _mm512_and_si512(_mm512_srli_epi32(v, (unsigned)shift), _mm512_set1_epi32(mask));
-}
-static inline ivec i_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 ALWAYS_INLINE ivec dot_pairs(ivec acc, ivec w, const int16_t *x) {
     int32_t pair;
     memcpy(&pair, x, 4);
