@@ -123,9 +123,8 @@ typedef struct {
  * decode_row from the row's bytes, decode_row_at row n of a weight (a T4 row from its tile). */
 void decode_row(const uint8_t *w, int64_t K, int type, row_t *r);
 void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r);
-void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
-void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
-void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r);
+/* quant_tiles.c: row `lane` of a tile's first K columns (blocks of 16 rows from `tile`). */
+void decode_tile_row(int type, const uint8_t *tile, int lane, int64_t K, row_t *r);
 
 /* Rows of x multiplied per pass over a weight row (quant_rows.c); quant_matmul takes any B. */
 #define FUSED_MAX_B 8

@@ -61,17 +61,12 @@ ALWAYS_INLINE void fast_dequant_row(int TYPE, const uint8_t *row, int64_t K, voi
  * its tile, `lane` its row there) through its tile's row decode. */
 static void decode_part(int type, const uint8_t *row, int lane, int64_t k0, int64_t kc,
                         row_t *r) {
-    if (type == T_T4K) {
-        decode_t4k_row(row + k0 / 256 * T4K_BLOCK_BYTES, lane, kc, r);
-    } else if (type == T_T8) {
-        decode_t8_row(row + k0 / 32 * T8_SUB_BYTES, lane, kc, r);
-    } else if (type == T_T4) {
-        decode_t4_row(row + k0 / 32 * T4_SUB_BYTES, lane, kc, r);
-    } else {
-        int elems = 32, bytes = 0;
-        block_shape(type, &elems, &bytes);
+    int elems = 32, bytes = 0;
+    block_shape(type, &elems, &bytes);
+    if (IS_TILED(type)) /* a tile holds 16 rows' blocks */
+        decode_tile_row(type, row + k0 / elems * 16 * bytes, lane, kc, r);
+    else
         decode_row(row + k0 / elems * bytes, kc, type, r);
-    }
 }
 
 /*

@@ -143,12 +143,8 @@ static void decode_r_row(const uint8_t *w, int64_t K, int type, row_t *r) {
 }
 
 void decode_row_at(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K, int type, row_t *r) {
-    if (type == T_T4)
-        decode_t4_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
-    else if (type == T_T8)
-        decode_t8_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
-    else if (type == T_T4K)
-        decode_t4k_row(w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
+    if (IS_TILED(type))
+        decode_tile_row(type, w + (n - n % 16) * row_bytes, (int)(n % 16), K, r);
     else
         decode_row(w + n * row_bytes, K, type, r);
 }

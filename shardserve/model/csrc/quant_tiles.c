@@ -38,7 +38,7 @@
 #include "quant_blocks.h"
 
 /* One row's sub-blocks out of its tile, for the portable paths (decode_row_at). */
-void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
+static void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = tile + T4_SUB_BYTES * g;
         uint8_t *q = r->q + 32 * g;
@@ -54,7 +54,7 @@ void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     }
 }
 
-void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
+static void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     for (int64_t bi = 0; bi < K / 256; bi++) {
         const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
         uint8_t scales[12];
@@ -75,13 +75,22 @@ void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     }
 }
 
-void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
+static void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = tile + T8_SUB_BYTES * g;
         for (int pair = 0; pair < 16; pair++) memcpy(r->q + 32 * g + 2 * pair, p + 32 * pair + 2 * lane, 2);
         r->s[2 * g] = r->s[2 * g + 1] = half_to_f32(p + 512 + 2 * lane);
         r->m[2 * g] = r->m[2 * g + 1] = 0.f;
     }
+}
+
+void decode_tile_row(int type, const uint8_t *tile, int lane, int64_t K, row_t *r) {
+    if (type == T_T4K)
+        decode_t4k_row(tile, lane, K, r);
+    else if (type == T_T8)
+        decode_t8_row(tile, lane, K, r);
+    else
+        decode_t4_row(tile, lane, K, r);
 }
 
 #if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
