@@ -1,5 +1,5 @@
 """Rewriting GGML blocks in shardserve's R4 / R8 row layouts (csrc/quant_kernels.c draws them)
-and T4 / T8 / T4K tiles of 16 rows (csrc/quant_tiles.c, written by csrc/quant_retile.c), which
+and T4 / T8 / T4K / T6K tiles of 16 rows (csrc/quant_tiles.c, written by csrc/quant_retile.c), which
 the AVX-512 few-rows kernels read faster: the same values and bytes, moved.
 
 R4 / R8 are done with numpy on int16 views of the blocks (the tiles in C): numpy runs each call
@@ -58,9 +58,9 @@ def repack_r8(src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
 
 
 def repack_tiles(src: torch.Tensor, dst: torch.Tensor, cols: int, src_type: int) -> None:
-    """Q4_0 / Q4_1 / Q8_0 / Q4_K rows `src` (a multiple of 16) as T4 / T8 / T4K tiles into
-    `dst` uint8 [rows, row bytes] (csrc/quant_retile.c, on this thread: numpy's 6-dimensional
-    transposes of 2-byte items took ~10x as long)."""
+    """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows `src` (a multiple of 16) as T4 / T8 / T4K / T6K
+    tiles into `dst` uint8 [rows, row bytes] (csrc/quant_retile.c, on this thread: numpy's
+    6-dimensional transposes of 2-byte items took ~10x as long)."""
     if src.stride(1) != 1 or not dst.is_contiguous():
         raise ValueError("tiles are written from rows of unit stride into contiguous rows")
     rc = native_kernels.lib().quant_retile(src_type, src.data_ptr(), src.stride(0),

@@ -28,17 +28,18 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 # shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
 # values and bytes as their source, scales gathered at the row's end.
-# T4 / T8 / T4K: Q4_0 / Q4_1 / Q8_0 / Q4_K in tiles of 16 rows for the few-rows products
-# (csrc/quant_tiles.c draws them), where the rows come in multiples of 16; a tile holds 16 rows'
-# bytes, so row n's bytes are not row n of the data.
-R4, R8, T4, T8, T4K = 1004, 1008, 1104, 1108, 1112
+# T4 / T8 / T4K / T6K: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K in tiles of 16 rows for the few-rows
+# products (csrc/quant_tiles.c draws them), where the rows come in multiples of 16; a tile holds
+# 16 rows' bytes, so row n's bytes are not row n of the data.
+R4, R8, T4, T8, T4K, T6K = 1004, 1008, 1104, 1108, 1112, 1114
 _REPACKED: dict[int, tuple[str, int, int]] = {
     R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20), T8: ("T8", 32, 34),
-    T4K: ("T4K", 256, 144)}
-_TILED = frozenset((T4, T8, T4K))
+    T4K: ("T4K", 256, 144), T6K: ("T6K", 256, 210)}
+_TILED = frozenset((T4, T8, T4K, T6K))
+_TILE_OF = {Q4_0: T4, Q4_1: T4, Q8_0: T8, Q4_K: T4K, Q6_K: T6K}
 
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -50,9 +51,9 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
 # always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
 # still win at 32 (0.75-0.98x: their panels decode slowly).
-# The tiles (T4 / T8 / T4K, csrc/quant_tiles.c) pay the float step once per 16 weight rows: at 8
-# rows of bfloat16 x they took 0.5-0.7x the GEMM's time (default model's and 1B's shapes, Zen 4),
-# at 16 about the same; T4K with float32 x as the K-quants.
+# The tiles (T4 / T8 / T4K / T6K, csrc/quant_tiles.c) pay the float step once per 16 weight
+# rows: at 8 rows of bfloat16 x they took 0.4-0.7x the GEMM's time (default model's and 1B's
+# shapes, Zen 4; T6K 0.4-0.8x), at 16 about the same; T4K / T6K with float32 x as the K-quants.
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
@@ -64,7 +65,8 @@ def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
     if x_dtype != torch.float32:
         return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
-    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS or ggml_type == T4K else ROWS_MAX_F32
+    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS or ggml_type in (T4K, T6K) \
+        else ROWS_MAX_F32
 
 
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
@@ -143,16 +145,16 @@ def available() -> bool:
 
 
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
-    """T4 for Q4_0 / Q4_1, T8 for Q8_0 and T4K for Q4_K where `tiled` (the caller's pieces)
-    and w's rows come in multiples of 16 and this build computes tiles (AVX-512); else R4
-    (cols a multiple of 64) and R8 where it computes those (AVX-512; Q4_K keeps its layout);
-    None to keep w's layout."""
-    if w.ggml_type not in (Q4_0, Q4_1, Q8_0, Q4_K):
+    """T4 for Q4_0 / Q4_1, T8 for Q8_0, T4K for Q4_K and T6K for Q6_K where `tiled` (the
+    caller's pieces) and w's rows come in multiples of 16 and this build computes tiles
+    (AVX-512); else R4 (cols a multiple of 64) and R8 where it computes those (AVX-512; the
+    K-quants keep their layout); None to keep w's layout."""
+    if w.ggml_type not in _TILE_OF:
         return None
     lib = native_kernels.lib()
     if tiled and w.shape[0] % 16 == 0 and lib.quant_can_tile():
-        return {Q4_K: T4K, Q8_0: T8}.get(w.ggml_type, T4)
-    if w.ggml_type == Q4_K or (w.ggml_type != Q8_0 and w.cols % 64) or \
+        return _TILE_OF[w.ggml_type]
+    if w.ggml_type in (Q4_K, Q6_K) or (w.ggml_type != Q8_0 and w.cols % 64) or \
             not lib.quant_can_repack():
         return None
     return R8 if w.ggml_type == Q8_0 else R4

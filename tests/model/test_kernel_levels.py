@@ -6,9 +6,9 @@ output channel in the Q8_0 layout), each level this CPU runs besides portable, a
 in ENTRY_POINTS, the result under that level's library is compared with the portable build's on the
 same blocks and x (1, 5 and 11 rows: row-kernel passes of 1, 5 and 8 + 3; float32 and bfloat16). The
 weight is built under each level, so where a level repacks (AVX-512: Q4_0 / Q4_1 in tiles of 16
-rows as T4, Q8_0 and int8 as T8, Q4_K as T4K; where the weight comes in pieces of other row
-counts, "(pieces)", as R4 / R8 / Q4_K's own rows) its T4 / T8 / T4K / R4 / R8 kernels are what
-runs. How close each must be
+rows as T4, Q8_0 and int8 as T8, Q4_K as T4K, Q6_K as T6K; where the weight comes in pieces of
+other row counts, "(pieces)", as R4 / R8 / the K-quants' own rows) its T4 / T8 / T4K / T6K / R4 /
+R8 kernels are what runs. How close each must be
 depends on what was computed (`kind`, the looser of the two sides'):
 - EXACT, bit for bit: the dequantized weights. Every level decodes a block to the same integers
   and scales and computes s * q + m once per element; s * q is exact in float32 (an fp16 scale,
@@ -94,7 +94,8 @@ ENTRY_POINTS: dict[str, Callable[[q.QuantWeight, torch.Tensor], Result]] = {
 }
 
 WEIGHTS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "int8": None,
-           "Q4_1 (pieces)": 3, "Q8_0 (pieces)": 8, "Q4_K (pieces)": 12}
+           "Q4_1 (pieces)": 3, "Q8_0 (pieces)": 8, "Q4_K (pieces)": 12, "Q6_K (pieces)": 14}
+REPACKED = (q.R4, q.R8, q.T4, q.T8, q.T4K, q.T6K)
 LEVELS = [level for level in nk.levels_buildable_here() if level != "portable"]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 REORDER_TOL = (K // 16) * 2.0**-23
@@ -179,10 +180,11 @@ def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library,
     assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
     assert bool(lib.quant_can_tile()) == bool(lib.quant_can_repack())
     types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
-    tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K}
+    tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
+             "Q6_K": q.T6K}
     rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
     want = (tiles if lib.quant_can_tile() else {}) | (rows if lib.quant_can_repack() else {})
-    repacked = {name: t for name, t in types.items() if t in (q.R4, q.R8, q.T4, q.T8, q.T4K)}
+    repacked = {name: t for name, t in types.items() if t in REPACKED}
     assert repacked == want
 
 
@@ -194,12 +196,12 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
     if not lib.quant_can_tile():
         pytest.skip(f"{level} does not repack")
     pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
-    for name in ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", *pieces):
+    for name in ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces):
         with nk.using(level_library(level)):
             packed = weight_as_loaded(name)
         with nk.using(level_library("portable")):
             plain = weight_as_loaded(name)
-            assert packed.segments[0][1].ggml_type in (q.R4, q.R8, q.T4, q.T8, q.T4K)
+            assert packed.segments[0][1].ggml_type in REPACKED
             assert torch.equal(packed.dequantize(torch.float32), plain.dequantize(torch.float32))
             for rows in (1, 3, 5, 40):  # 40: the GEMM, its panels decoded from the tiles
                 x = x_rows(rows, torch.float32)

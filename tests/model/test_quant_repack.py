@@ -30,16 +30,17 @@ def test_repacked_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
     assert (out[:2] == 7).all() and (out[13:] == 7).all()  # nothing written outside dst
 
 
-TILED = {q.Q4_0: q.T4, q.Q4_1: q.T4, q.Q8_0: q.T8, q.Q4_K: q.T4K}
+TILED = {q.Q4_0: q.T4, q.Q4_1: q.T4, q.Q8_0: q.T8, q.Q4_K: q.T4K, q.Q6_K: q.T6K}
 
 
-@pytest.mark.parametrize("ggml_type", TILED, ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("ggml_type", TILED, ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("cols", [32, 576, 1536])
 def test_tiles_of_16_rows_hold_the_same_values(ggml_type: int, cols: int) -> None:
-    cols = cols * 8 if ggml_type == q.Q4_K else cols  # whole blocks of 256
+    cols = cols * 8 if ggml_type in (q.Q4_K, q.Q6_K) else cols  # whole blocks of 256
     w = random_blocks(ggml_type, 48, cols, seed=cols + ggml_type)
     kind = TILED[ggml_type]
-    row_bytes = cols // 256 * 144 if kind == q.T4K else cols // 32 * (34 if kind == q.T8 else 20)
+    row_bytes = {q.T4K: cols // 256 * 144, q.T6K: cols // 256 * 210,
+                 q.T8: cols // 32 * 34}.get(kind, cols // 32 * 20)
     out = torch.full((80, row_bytes), 7, dtype=torch.uint8)
     dst = out.narrow(0, 16, 48)  # a tile-aligned piece of a larger buffer
     quant_repack.repack_tiles(w.data, dst, cols, ggml_type)

@@ -39,10 +39,19 @@
 #define T_T4 1104
 #define T_T8 1108
 #define T_T4K 1112 /* and Q4_K's, per block of 256: 2304 bytes (16 x 144) */
+#define T_T6K 1114 /* and Q6_K's, per block of 256: 3360 bytes (16 x 210) */
 #define T4_SUB_BYTES 320
 #define T8_SUB_BYTES 544
 #define T4K_BLOCK_BYTES 2304
-#define IS_TILED(type) ((type) == T_T4 || (type) == T_T8 || (type) == T_T4K)
+#define T6K_BLOCK_BYTES 3360
+/* T6K's parts of a block (quant_tiles.c draws it): d, the scales in the order the kernel takes
+ * them, then per half h and eight words 8 th .. 8 th + 7 the low quarters' ql words, qh's, the
+ * high quarters' ql words; a quarter u of half h takes ql words 16 (u & 1) + t. */
+#define T6K_SC(j) (32 + 16 * (8 * ((j) / 8) + 4 * ((j) & 1) + (j) % 8 / 2))
+#define T6K_PART(h, th) (288 + 768 * (2 * (h) + (th)))
+#define T6K_QL(h, t) (T6K_PART(h, (t) % 16 / 8) + 512 * ((t) / 16) + 32 * ((t) % 8))
+#define T6K_QH(h, t) (T6K_PART(h, (t) / 8) + 256 + 32 * ((t) % 8))
+#define IS_TILED(type) ((type) == T_T4 || (type) == T_T8 || (type) == T_T4K || (type) == T_T6K)
 
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define QPARALLEL_MIN (256 * 1024)
@@ -88,6 +97,7 @@ static inline int block_shape(int type, int *elems, int *bytes) {
     case T_T4: *elems = 32; *bytes = 20; return 1;
     case T_T8: *elems = 32; *bytes = 34; return 1;
     case T_T4K: *elems = 256; *bytes = 144; return 1;
+    case T_T6K: *elems = 256; *bytes = 210; return 1;
     default: return 0;
     }
 }

@@ -364,7 +364,7 @@ int quant_dequantize_rows(void *out, int out_dtype, const uint8_t *w, int64_t ro
         return -2;
     const int is_signed = type == T_Q8_0 || type == T_R8 || type == T_T8;
     /* Q4_0 and Q6_K keep their -8 / -32 on the integer, as the reference does. */
-    const int qoff = type == T_Q4_0 ? -8 : type == T_Q6_K ? -32 : 0;
+    const int qoff = type == T_Q4_0 ? -8 : type == T_Q6_K || type == T_T6K ? -32 : 0;
     const int threads = n_ids * K >= QPARALLEL_MIN ? num_threads : 1;
     row_t *rows = alloc_rows(threads, K);
     if (rows == NULL) return -1;

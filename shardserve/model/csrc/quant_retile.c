@@ -1,5 +1,6 @@
 /*
- * GGML blocks rewritten as tiles of 16 rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K;
+ * GGML blocks rewritten as tiles of 16 rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K,
+ * T6K from Q6_K;
  * quant_tiles.c draws the layouts) at load: the same values, bytes moved, Q4_0's m = -8 d
  * computed in fp16 as the kernels would. A loop of small copies per row and block: the numpy
  * transposes this replaces took ~1 s for a 1B model's 0.47 GB of Q4_K (6-dimensional strided
@@ -21,8 +22,30 @@ static void q4_0_min(const uint8_t *d, uint8_t *m) {
 }
 #endif
 
+/* Q6_K's blocks of 16 rows as T6K (quant_blocks.h's T6K_ offsets). */
+static void retile_k6(const uint8_t *src, int64_t row_bytes, int64_t cols, uint8_t *dst) {
+    for (int64_t bi = 0; bi < cols / 256; bi++) {
+        uint8_t *o = dst + T6K_BLOCK_BYTES * bi;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *blk = src + r * row_bytes + 210 * bi;
+            for (int h = 0; h < 2; h++) {
+                for (int c = 0; c < 32; c++)
+                    memcpy(o + T6K_QL(h, c) + 2 * r, blk + 64 * h + 2 * c, 2);
+                for (int t = 0; t < 16; t++)
+                    memcpy(o + T6K_QH(h, t) + 2 * r, blk + 128 + 32 * h + 2 * t, 2);
+            }
+            for (int j = 0; j < 16; j++) o[T6K_SC(j) + r] = blk[192 + j];
+            memcpy(o + 2 * r, blk + 208, 2);
+        }
+    }
+}
+
 /* One tile of 16 rows (src rows `row_bytes` apart) into `dst`. */
 static void retile(int src_type, const uint8_t *src, int64_t row_bytes, int64_t cols, uint8_t *dst) {
+    if (src_type == T_Q6_K) {
+        retile_k6(src, row_bytes, cols, dst);
+        return;
+    }
     if (src_type == T_Q4_K) {
         for (int64_t bi = 0; bi < cols / 256; bi++) {
             uint8_t *o = dst + T4K_BLOCK_BYTES * bi;
@@ -62,7 +85,8 @@ int quant_retile(int src_type, const uint8_t *src, int64_t src_row_bytes, uint8_
     return -2;
 #endif
     int elems, bytes;
-    if ((src_type != T_Q4_0 && src_type != T_Q4_1 && src_type != T_Q8_0 && src_type != T_Q4_K) ||
+    if ((src_type != T_Q4_0 && src_type != T_Q4_1 && src_type != T_Q8_0 && src_type != T_Q4_K &&
+         src_type != T_Q6_K) ||
         rows % 16 || !block_shape(src_type, &elems, &bytes) || cols % elems)
         return -2;
     const int64_t dst_row_bytes = cols / elems * (src_type == T_Q4_0 ? 20 : bytes);

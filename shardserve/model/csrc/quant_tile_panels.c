@@ -1,6 +1,6 @@
 /*
  * The GEMM's panels (quant_gemm.c) decoded from a whole tile at once (quant_tiles.c draws the
- * T4 / T8 / T4K layouts): a row's bytes of a sub-block are one 16-bit word of each chunk, so
+ * T4 / T8 / T4K / T6K layouts): a row's bytes of a sub-block are one 16-bit word of each chunk, so
  * the chunks are transposed as 8 x 8 blocks of words in registers (row by row they would be
  * gathered a word at a time), then 16 values at a time are written as w = s * q + m in one
  * fused rounding, float32 or bfloat16. AVX-512 builds (those that tile); the others decode
@@ -34,13 +34,14 @@ static inline __m128i row_bytes16(const __m256i *v, int r) {
     return r < 8 ? _mm256_castsi256_si128(v[r]) : _mm256_extracti128_si256(v[r - 8], 1);
 }
 
-enum { LOW4, HIGH4, SIGNED8 };
+enum { LOW4, HIGH4, SIGNED8, UNSIGNED8 };
 
 /* 16 values from 16 bytes (their low or high nibbles, or the signed bytes) as s * q + m to a
  * panel row at element `at`. */
 static inline void emit16(void *row, int64_t at, __m128i bytes, int kind, float s, float m,
                           int out_dtype) {
     __m512i q = kind == SIGNED8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    /* UNSIGNED8: the bytes as they are */
     if (kind == HIGH4) q = _mm512_srli_epi32(q, 4);
     if (kind == LOW4) q = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
     const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
@@ -90,6 +91,40 @@ static void decode_tile_k4(const uint8_t *tile, int r0, int r1, int64_t k0, int6
     }
 }
 
+/* T6K: blocks [k0, k0 + kc) / 256 of a tile's rows [r0, r1); s = d sc_j, m = -32 s. */
+static void decode_tile_k6(const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc, void *out,
+                           int64_t stride, int out_dtype) {
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    const __m128i nib4 = _mm_set1_epi8(0xF), top2 = _mm_set1_epi8(0x30);
+    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
+        const uint8_t *p = tile + T6K_BLOCK_BYTES * bi;
+        for (int h = 0; h < 2; h++)
+            for (int half = 0; half < 2; half++) { /* words 8 half .. 8 half + 7: l in 16 half + */
+                __m256i a[8], b[8], hi[8];
+                load_transposed(p + T6K_QL(h, 8 * half), a);
+                load_transposed(p + T6K_QL(h, 16 + 8 * half), b);
+                load_transposed(p + T6K_QH(h, 8 * half), hi);
+                for (int r = r0; r < r1; r++) {
+                    char *row = (char *)out + (size_t)((r - r0) * stride) * es;
+                    const float d = half_to_f32(p + 2 * r);
+                    const __m128i qa = row_bytes16(a, r), qb = row_bytes16(b, r);
+                    const __m128i qh = row_bytes16(hi, r);
+                    const __m128i nib[4] = {_mm_and_si128(qa, nib4), _mm_and_si128(qb, nib4),
+                                            _mm_and_si128(_mm_srli_epi16(qa, 4), nib4),
+                                            _mm_and_si128(_mm_srli_epi16(qb, 4), nib4)};
+                    const __m128i top[4] = {_mm_slli_epi16(qh, 4), _mm_slli_epi16(qh, 2), qh,
+                                            _mm_srli_epi16(qh, 2)};
+                    for (int u = 0; u < 4; u++) {
+                        const int j = 8 * h + 2 * u + half;
+                        const float s = d * (float)(int8_t)p[T6K_SC(j) + r];
+                        const __m128i q = _mm_or_si128(nib[u], _mm_and_si128(top[u], top2));
+                        emit16(row, 256 * bi + 16 * j - k0, q, UNSIGNED8, s, -32.f * s, out_dtype);
+                    }
+                }
+            }
+    }
+}
+
 /* T4 / T8: sub-blocks [k0, k0 + kc) / 32 of a tile's rows [r0, r1). */
 static void decode_tile_32(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
                            void *out, int64_t stride, int out_dtype) {
@@ -120,6 +155,8 @@ int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0,
                       void *out, int64_t stride, int out_dtype) {
     if (type == T_T4K)
         decode_tile_k4(tile, r0, r1, k0, kc, out, stride, out_dtype);
+    else if (type == T_T6K)
+        decode_tile_k6(tile, r0, r1, k0, kc, out, stride, out_dtype);
     else if (type == T_T4 || type == T_T8)
         decode_tile_32(type, tile, r0, r1, k0, kc, out, stride, out_dtype);
     else

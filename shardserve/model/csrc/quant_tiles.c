@@ -24,6 +24,14 @@
  *     12 scale bytes as three words (k4_unpack's a, b, c), unpacked for 16 rows at once;
  *     w = d sc_j q - dmin m_j as Q4_K's
  *
+ *   T6K (from Q6_K), per block of 256 columns 3360 bytes (16 x 210), in the order read:
+ *     f16 d[16] | i8 sc[16][16] | per half h, words 8 th .. 8 th + 7 (th = 0, 1):
+ *       ql words t | qh words t | ql words 16 + t           (each [16 rows x 2 bytes])
+ *     ql word c byte 2 r + e = row r's ql[64 h + 2 c + e], qh word t its qh[32 h + 2 t + e];
+ *     column 128 h + 32 u + 2 t + e (quarter u) is ql word 16 (u & 1) + t, low nibble (u < 2)
+ *     or high, with qh's bits 2u, 2u + 1 above: q in 0..63, w = d sc_j (q - 32), j = column
+ *     / 16; the scales in the kernel's order (h, th, u) (quant_blocks.h: T6K_SC, T6K_QL, ...)
+ *
  * so a chunk c widened to 16-bit lanes holds, in lane r, row r's pair of columns (2 c, 2 c + 1)
  * (low nibbles) or (16 + 2 c, 17 + 2 c) (high), and one vpdpwssd (VNNI; vpmaddwd + vpaddd
  * without) with x's pair broadcast adds both products for all 16 rows. Per sub-block and row
@@ -75,6 +83,23 @@ static void decode_t4k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     }
 }
 
+static void decode_t6k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T6K_BLOCK_BYTES * bi;
+        const float d = half_to_f32(p + 2 * lane);
+        for (int j = 0; j < 16; j++) {
+            r->s[16 * bi + j] = d * (float)(int8_t)p[T6K_SC(j) + lane];
+            r->m[16 * bi + j] = -32.f * r->s[16 * bi + j];
+        }
+        for (int col = 0; col < 256; col++) {
+            const int h = col / 128, u = col % 128 / 32, l = col % 32, t = l / 2, e = l % 2;
+            const uint8_t ql = p[T6K_QL(h, 16 * (u & 1) + t) + 2 * lane + e];
+            const uint8_t qh = p[T6K_QH(h, t) + 2 * lane + e];
+            r->q[256 * bi + col] = (u < 2 ? ql & 0xF : ql >> 4) | ((qh >> (2 * u)) & 3) << 4;
+        }
+    }
+}
+
 static void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = tile + T8_SUB_BYTES * g;
@@ -87,6 +112,8 @@ static void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
 void decode_tile_row(int type, const uint8_t *tile, int lane, int64_t K, row_t *r) {
     if (type == T_T4K)
         decode_t4k_row(tile, lane, K, r);
+    else if (type == T_T6K)
+        decode_t6k_row(tile, lane, K, r);
     else if (type == T_T8)
         decode_t8_row(tile, lane, K, r);
     else
@@ -188,11 +215,67 @@ ALWAYS_INLINE void tile_rows_k4(int NB, const uint8_t *tile, const xquant_t *xq,
     }
 }
 
+/* T6K's 16 rows of one word t of quarter u (qh's bits 2u, 2u + 1 above ql's nibble), widened
+ * to 16 bits: the bytes combined in a 256-bit register (half the work of 16-bit lanes). */
+ALWAYS_INLINE ivec k6_words(const uint8_t *ql, const uint8_t *qh, int u) {
+    const __m256i l = load32(ql), h = load32(qh), nib4 = _mm256_set1_epi8(0xF);
+    const __m256i nib = u < 2 ? _mm256_and_si256(l, nib4)
+                              : _mm256_and_si256(_mm256_srli_epi16(l, 4), nib4);
+    const __m256i top = u == 0 ? _mm256_slli_epi16(h, 4) : u == 1 ? _mm256_slli_epi16(h, 2)
+                               : u == 2 ? h : _mm256_srli_epi16(h, 2);
+    const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+    return _mm512_cvtepu8_epi16(q);
+}
+
+/* T6K: a tile's 16 outputs for NB rows of x, 16 columns (a scale) at a time; q's -32 through
+ * x's sums per 16 (xs). */
+ALWAYS_INLINE void tile_rows_k6(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
+                                int64_t K, fvec *res) {
+    const int64_t nsub = K / 32, nhalf = K / 16;
+    for (int i = 0; i < NB; i++) res[i] = f_zero();
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T6K_BLOCK_BYTES * bi;
+        const fvec d = f_halves(p);
+        for (int hu = 0; hu < 16; hu++) { /* half h, words 8 th .. 8 th + 7, quarter u */
+            const int h = hu / 8, th = hu % 8 / 4, u = hu % 4, j = 8 * h + 2 * u + th;
+            const uint8_t *ql = p + T6K_QL(h, 16 * (u & 1) + 8 * th);
+            const uint8_t *qh = p + T6K_QH(h, 8 * th);
+            /* Few rows of x: two chains of dots a row (one would wait on VNNI's latency). */
+            ivec dot[FUSED_MAX_B], odd[FUSED_MAX_B];
+            for (int i = 0; i < NB; i++) dot[i] = odd[i] = i_zero();
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const ivec w = k6_words(ql + 32 * t, qh + 32 * t, u);
+                for (int i = 0; i < NB; i++) {
+                    const int16_t *x = xq->q + (b0 + i) * K + 256 * bi + 16 * j + 2 * t;
+                    if (NB <= 4 && (t & 1))
+                        odd[i] = dot_pairs(odd[i], w, x);
+                    else
+                        dot[i] = dot_pairs(dot[i], w, x);
+                }
+            }
+            if (NB <= 4)
+                for (int i = 0; i < NB; i++) dot[i] = _mm512_add_epi32(dot[i], odd[i]);
+            const fvec s = f_mul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128((const __m128i *)(p + T6K_SC(j))))));
+            const fvec m = f_mul(s, f_set1(-32.f));
+            for (int i = 0; i < NB; i++) {
+                const int64_t at = (b0 + i) * nsub + 8 * bi + j / 2;
+                res[i] = f_fmadd(f_cvt(dot[i]), f_mul(s, f_set1(xq->d[at])), res[i]);
+                res[i] = f_fmadd(m, f_set1(xq->xs[(b0 + i) * nhalf + 16 * bi + j]), res[i]);
+            }
+        }
+    }
+}
+
 /* A tile's 16 outputs for NB rows of x from b0 (TYPE and NB constants at each call). */
 ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
                              int64_t b0, int64_t K, fvec *res) {
-    if (TYPE == T_T4K) {
-        tile_rows_k4(NB, tile, xq, b0, K, res);
+    if (TYPE == T_T4K || TYPE == T_T6K) {
+        if (TYPE == T_T4K)
+            tile_rows_k4(NB, tile, xq, b0, K, res);
+        else
+            tile_rows_k6(NB, tile, xq, b0, K, res);
         return;
     }
     const int64_t nsub = K / 32;
@@ -234,13 +317,17 @@ typedef void (*tile_fn)(const uint8_t *tile, const xquant_t *xq, int64_t b0, int
 TILE_FNS(t4, T_T4)
 TILE_FNS(t8, T_T8)
 TILE_FNS(t4k, T_T4K)
+TILE_FNS(t6k, T_T6K)
 
 int quant_can_tile(void) { return 1; }
 
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
-    const tile_fn *fns = type == T_T8 ? t8_fns : type == T_T4K ? t4k_fns : t4_fns;
+    const tile_fn *fns = type == T_T8    ? t8_fns
+                         : type == T_T4K ? t4k_fns
+                         : type == T_T6K ? t6k_fns
+                                         : t4_fns;
     const int64_t tiles = N / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
