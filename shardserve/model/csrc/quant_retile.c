@@ -52,10 +52,10 @@ static void retile(int src_type, const uint8_t *src, int64_t row_bytes, int64_t 
             for (int r = 0; r < 16; r++) {
                 const uint8_t *blk = src + r * row_bytes + 144 * bi;
                 for (int pt = 0; pt < 64; pt++) /* pair p = pt / 16, word t = pt % 16 */
-                    memcpy(o + 32 * pt + 2 * r, blk + 16 + 2 * pt, 2);
-                memcpy(o + 2048 + 2 * r, blk, 2);
-                memcpy(o + 2080 + 2 * r, blk + 2, 2);
-                for (int w = 0; w < 3; w++) memcpy(o + 2112 + 64 * w + 4 * r, blk + 4 + 4 * w, 4);
+                    memcpy(o + T4K_NIB + 32 * pt + 2 * r, blk + 16 + 2 * pt, 2);
+                memcpy(o + 2 * r, blk, 2);
+                memcpy(o + 32 + 2 * r, blk + 2, 2);
+                for (int w = 0; w < 3; w++) memcpy(o + 64 + 64 * w + 4 * r, blk + 4 + 4 * w, 4);
             }
         }
         return;

@@ -64,10 +64,10 @@ static void decode_tile_k4(const uint8_t *tile, int r0, int r1, int64_t k0, int6
     const size_t es = out_dtype == DT_F32 ? 4 : 2;
     for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
         const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2048)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2080)));
-        const __m512i a = _mm512_loadu_si512(p + 2112), b = _mm512_loadu_si512(p + 2176);
-        const __m512i c = _mm512_loadu_si512(p + 2240);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        const __m512i a = _mm512_loadu_si512(p + 64), b = _mm512_loadu_si512(p + 128);
+        const __m512i c = _mm512_loadu_si512(p + 192);
         float s[8][16], m[8][16];
         for (int j = 0; j < 8; j++) {
             _mm512_storeu_ps(s[j], _mm512_mul_ps(d, k4_scale(j, 0, a, b, c)));
@@ -76,8 +76,8 @@ static void decode_tile_k4(const uint8_t *tile, int r0, int r1, int64_t k0, int6
         }
         for (int pair = 0; pair < 4; pair++) {
             __m256i lo[8], hi[8]; /* words t = 0-7 (columns 0-15), 8-15 (16-31) */
-            load_transposed(p + 512 * pair, lo);
-            load_transposed(p + 512 * pair + 256, hi);
+            load_transposed(p + T4K_NIB + 512 * pair, lo);
+            load_transposed(p + T4K_NIB + 512 * pair + 256, hi);
             for (int r = r0; r < r1; r++) {
                 char *row = (char *)out + (size_t)((r - r0) * stride) * es;
                 const int64_t at = 256 * bi + 64 * pair - k0;
