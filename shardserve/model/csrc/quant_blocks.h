@@ -43,6 +43,8 @@
 #define T4_SUB_BYTES 320
 #define T8_SUB_BYTES 544
 #define T4K_BLOCK_BYTES 2304
+#define T4_Q 64  /* T4's nibbles after d, m; T8's values after d */
+#define T8_Q 32
 #define T4K_NIB 256 /* T4K's nibbles after its scales (the kernel reads them first) */
 #define T6K_BLOCK_BYTES 3360
 /* T6K's parts of a block (quant_tiles.c draws it): d, the scales in the order the kernel takes

@@ -62,17 +62,17 @@ static void retile(int src_type, const uint8_t *src, int64_t row_bytes, int64_t 
     }
     const int t8 = src_type == T_Q8_0, bytes = t8 ? 34 : src_type == T_Q4_1 ? 20 : 18;
     const int qs = t8 || src_type == T_Q4_0 ? 2 : 4, words = t8 ? 16 : 8;
-    const int sub_bytes = t8 ? T8_SUB_BYTES : T4_SUB_BYTES, d_at = t8 ? 512 : 256;
+    const int sub_bytes = t8 ? T8_SUB_BYTES : T4_SUB_BYTES, q_at = t8 ? T8_Q : T4_Q;
     for (int64_t g = 0; g < cols / 32; g++) {
         uint8_t *o = dst + sub_bytes * g;
         for (int r = 0; r < 16; r++) {
             const uint8_t *blk = src + r * row_bytes + bytes * g;
-            for (int w = 0; w < words; w++) memcpy(o + 32 * w + 2 * r, blk + qs + 2 * w, 2);
-            memcpy(o + d_at + 2 * r, blk, 2);
+            for (int w = 0; w < words; w++) memcpy(o + q_at + 32 * w + 2 * r, blk + qs + 2 * w, 2);
+            memcpy(o + 2 * r, blk, 2);
             if (src_type == T_Q4_1)
-                memcpy(o + 288 + 2 * r, blk + 2, 2);
+                memcpy(o + 32 + 2 * r, blk + 2, 2);
             else if (src_type == T_Q4_0)
-                q4_0_min(blk, o + 288 + 2 * r);
+                q4_0_min(blk, o + 32 + 2 * r);
         }
     }
 }

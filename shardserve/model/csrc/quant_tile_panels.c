@@ -133,17 +133,17 @@ static void decode_tile_32(int type, const uint8_t *tile, int r0, int r1, int64_
     for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
         const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
         __m256i lo[8], hi[8]; /* T4: chunks 0-7; T8: pairs 0-7, then 8-15 */
-        load_transposed(p, lo);
-        if (t8) load_transposed(p + 256, hi);
+        load_transposed(p + (t8 ? T8_Q : T4_Q), lo);
+        if (t8) load_transposed(p + T8_Q + 256, hi);
         for (int r = r0; r < r1; r++) {
             char *row = (char *)out + (size_t)((r - r0) * stride) * es;
             const int64_t at = 32 * g - k0;
-            const float d = half_to_f32(p + (t8 ? 512 : 256) + 2 * r);
+            const float d = half_to_f32(p + 2 * r);
             if (t8) {
                 emit16(row, at, row_bytes16(lo, r), SIGNED8, d, 0.f, out_dtype);
                 emit16(row, at + 16, row_bytes16(hi, r), SIGNED8, d, 0.f, out_dtype);
             } else {
-                const float m = half_to_f32(p + 288 + 2 * r);
+                const float m = half_to_f32(p + 32 + 2 * r);
                 emit16(row, at, row_bytes16(lo, r), LOW4, d, m, out_dtype);
                 emit16(row, at + 16, row_bytes16(lo, r), HIGH4, d, m, out_dtype);
             }

@@ -9,12 +9,12 @@
  * rows sit side by side in one vector, a row per 32-bit lane, two columns per lane:
  *
  *   tile = 16 rows x K columns, per sub-block g of 32 columns 320 bytes:
- *     nib[8][32] | f16 d[16] | f16 m[16]        (w[r][k] = d[r] * q[r][k] + m[r], as R4)
+ *     f16 d[16] | f16 m[16] | nib[8][32]        (w[r][k] = d[r] * q[r][k] + m[r], as R4)
  *     nib byte 32 c + 2 r + e:  low nibble q[r][32 g + 2 c + e], high q[r][32 g + 16 + 2 c + e]
  *
  *   (that byte is qs[2 c + e] of row r's Q4_0 / Q4_1 block g: the repack only moves bytes)
  *
- *   T8, per sub-block 544 bytes:  i8 q[16][32] | f16 d[16]     (w[r][k] = d[r] * q[r][k])
+ *   T8, per sub-block 544 bytes:  f16 d[16] | i8 q[16][32]     (w[r][k] = d[r] * q[r][k])
  *     q byte 32 p + 2 r + e = q[r][32 g + 2 p + e]            (Q8_0's qs, moved)
  *
  *   T4K (from Q4_K), per block of 256 columns 2304 bytes (16 x 144), in the order read:
@@ -24,8 +24,8 @@
  *     12 scale bytes as three words (k4_unpack's a, b, c), unpacked for 16 rows at once;
  *     w = d sc_j q - dmin m_j as Q4_K's
  *
- *   (Read in the order stored, a block streams from memory ~1.3x as fast as with its scales
- *   at its end: the prefetchers follow it.)
+ *   (Every tile's scales come first: read in the order stored, a block streams from memory
+ *   ~1.3x as fast as with its scales at its end, the prefetchers follow it.)
  *
  *   T6K (from Q6_K), per block of 256 columns 3360 bytes (16 x 210), in the order read:
  *     f16 d[16] | i8 sc[16][16] | per half h, words 8 th .. 8 th + 7 (th = 0, 1):
@@ -55,11 +55,11 @@ static void decode_t4_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
         uint8_t *q = r->q + 32 * g;
         for (int c = 0; c < 8; c++)
             for (int e = 0; e < 2; e++) {
-                const uint8_t byte = p[32 * c + 2 * lane + e];
+                const uint8_t byte = p[T4_Q + 32 * c + 2 * lane + e];
                 q[2 * c + e] = byte & 0xF;
                 q[16 + 2 * c + e] = byte >> 4;
             }
-        const float d = half_to_f32(p + 256 + 2 * lane), m = half_to_f32(p + 288 + 2 * lane);
+        const float d = half_to_f32(p + 2 * lane), m = half_to_f32(p + 32 + 2 * lane);
         r->s[2 * g] = r->s[2 * g + 1] = d;
         r->m[2 * g] = r->m[2 * g + 1] = m;
     }
@@ -106,8 +106,9 @@ static void decode_t6k_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
 static void decode_t8_row(const uint8_t *tile, int lane, int64_t K, row_t *r) {
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *p = tile + T8_SUB_BYTES * g;
-        for (int pair = 0; pair < 16; pair++) memcpy(r->q + 32 * g + 2 * pair, p + 32 * pair + 2 * lane, 2);
-        r->s[2 * g] = r->s[2 * g + 1] = half_to_f32(p + 512 + 2 * lane);
+        for (int pair = 0; pair < 16; pair++)
+            memcpy(r->q + 32 * g + 2 * pair, p + T8_Q + 32 * pair + 2 * lane, 2);
+        r->s[2 * g] = r->s[2 * g + 1] = half_to_f32(p + 2 * lane);
         r->m[2 * g] = r->m[2 * g + 1] = 0.f;
     }
 }
@@ -166,7 +167,7 @@ ALWAYS_INLINE void tile_dots(int TYPE, int NB, const uint8_t *p, const xquant_t 
     if (TYPE == T_T8) {
 #pragma GCC unroll 16
         for (int pair = 0; pair < 16; pair++) {
-            const ivec v = i_s8(p + 32 * pair);
+            const ivec v = i_s8(p + T8_Q + 32 * pair);
             for (int i = 0; i < NB; i++)
                 dot[i] = dot_pairs(dot[i], v, xq->q + (b0 + i) * K + 32 * g + 2 * pair);
         }
@@ -174,7 +175,7 @@ ALWAYS_INLINE void tile_dots(int TYPE, int NB, const uint8_t *p, const xquant_t 
     }
 #pragma GCC unroll 8
     for (int c = 0; c < 8; c++) {
-        const ivec v = i_u8(p + 32 * c), lo = i_low4(v), hi = i_high4(v);
+        const ivec v = i_u8(p + T4_Q + 32 * c), lo = i_low4(v), hi = i_high4(v);
         for (int i = 0; i < NB; i++) {
             const int16_t *x = xq->q + (b0 + i) * K + 32 * g + 2 * c;
             dot[i] = dot_pairs(dot_pairs(dot[i], lo, x), hi, x + 16);
@@ -287,12 +288,12 @@ ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant
         const uint8_t *p = tile + (TYPE == T_T8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
         ivec dot[FUSED_MAX_B];
         tile_dots(TYPE, NB, p, xq, b0, K, g, dot);
-        const fvec d = f_halves(p + (TYPE == T_T8 ? 512 : 256));
+        const fvec d = f_halves(p);
         for (int i = 0; i < NB; i++) {
             const int64_t at = (b0 + i) * nsub + g;
             res[i] = f_fmadd(f_cvt(dot[i]), f_mul(d, f_set1(xq->d[at])), res[i]);
             if (TYPE == T_T4)
-                res[i] = f_fmadd(f_halves(p + 288), f_set1(xq->xs32[at]), res[i]);
+                res[i] = f_fmadd(f_halves(p + 32), f_set1(xq->xs32[at]), res[i]);
         }
     }
 }
