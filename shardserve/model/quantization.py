@@ -52,12 +52,13 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
 # still win at 32 (0.75-0.98x: their panels decode slowly).
 # The tiles (T4 / T8 / T4K / T6K, csrc/quant_tiles.c) pay the float step once per 16 weight
-# rows: at 8 rows of bfloat16 x they took 0.4-0.7x the GEMM's time (default model's and 1B's
-# shapes, Zen 4; T6K 0.4-0.8x), at 16 about the same; T4K / T6K with float32 x as the K-quants.
+# rows: with bfloat16 x they took 0.43-0.85x the GEMM's time at 8 rows and 0.67-0.89x at 16
+# (two passes of 8; default model's and 1B's shapes, Zen 4), 0.75-1.22x at 24; T4K / T6K with
+# float32 x as the K-quants.
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
-ROWS_MAX_TILES = 8
+ROWS_MAX_TILES = 16
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 
 

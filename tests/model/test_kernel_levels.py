@@ -23,6 +23,11 @@ depends on what was computed (`kind`, the looser of the two sides'):
   (K/16) * 2^-23 of the largest output (3.8e-6 here, the error of reordering K/16 partial sums
   of the outputs' size; measured up to 7e-7 for both kernels). bfloat16 outputs are those sums
   rounded, so two sides may also land one bfloat16 step (2^-7 of the value) apart.
+- INT16_X: where one side took the integer path (x quantized to int16 per 32: each element
+  moves by up to half a step, 2^-16 of its 32's largest |x|) and the other a panel GEMM (x as
+  it is; where rows_max differs between levels, as for the tiles), an output may also move by
+  2^-16 of |W| @ (each x's 32's largest |x|) (2^-15 asserted). Both sides on the integer path
+  quantize x alike: REORDERED.
 - BF16_WEIGHTS: quant_gemm with bfloat16 x on a build with AVX512_BF16 decodes the weights to
   bfloat16 panels (vdpbf16ps), where the other builds keep them float32: each weight moves by
   up to 2^-9 of itself, so an output by up to 2^-9 of |x| @ |W| (2^-8 asserted), besides the
@@ -46,6 +51,7 @@ from tests.model.test_quantization import random_blocks
 pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
 
 EXACT, REORDERED, BF16_WEIGHTS = 0, 1, 2
+INT16_X = 3  # the integer path's kind; compared with another path's, adds its x's rounding
 Result = tuple[torch.Tensor, int]  # what an entry point computed, and its kind
 N, K = 48, 512  # K: two Q4_K blocks, 16 sub-blocks: every repacked scale group is whole
 
@@ -61,14 +67,14 @@ def gemm_kind(x: torch.Tensor) -> int:
 def matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
     """QuantWeight.matmul as the model calls it: quant_matmul up to rows_max rows of x,
     quant_gemm past them."""
-    return w.matmul(x), REORDERED if x.shape[0] <= w.rows_max(x.dtype) else gemm_kind(x)
+    return w.matmul(x), INT16_X if x.shape[0] <= w.rows_max(x.dtype) else gemm_kind(x)
 
 
 def quant_matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
     """The integer path itself (csrc/quant_kernels.c), at every row count."""
     out = torch.empty(x.shape[0], N, dtype=x.dtype)
     q.matmul_into(out, x, w.segments[0][1])
-    return out, REORDERED
+    return out, INT16_X
 
 
 def quant_gemm(w: q.QuantWeight, x: torch.Tensor) -> Result:
@@ -145,8 +151,17 @@ def run(level_library):
     return run
 
 
-def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: torch.Tensor | None
-                  ) -> None:
+@functools.cache
+def x_rounding(weight: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """2^-15 of |W| @ (each x's 32's largest |x|): what x's int16 rounding may move an output."""
+    with nk.using(nk.build_level("portable")):
+        values = blocks(weight).dequantize(torch.float32)
+    x = x_rows(rows, dtype).double().abs().reshape(rows, K // 32, 32)
+    return 2.0**-15 * (x.amax(-1).repeat_interleave(32, -1) @ values.double().abs().T)
+
+
+def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: torch.Tensor | None,
+                  x_round: torch.Tensor | None = None) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     if kind == EXACT:
         assert torch.equal(got, want)
@@ -156,6 +171,8 @@ def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: to
     limit = REORDER_TOL * scale + (w.abs() * 2.0**-7 if got.dtype == torch.bfloat16 else 0)
     if kind == BF16_WEIGHTS:
         limit = limit + 2.0**-8 * abs_prod
+    if x_round is not None:
+        limit = limit + x_round
     assert (diff <= limit).all(), (diff / scale).max()
 
 
@@ -169,7 +186,10 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
     want, want_kind, portable_type = run("portable", weight, entry, rows, dtype)
     assert portable_type == (WEIGHTS[weight] or q.Q8_0)  # the portable build never repacks
     prods = abs_products(weight, rows, dtype) if entry != "dequantize_rows" else None
-    assert_agrees(got, want, max(kind, want_kind), prods)
+    kinds = {kind, want_kind} - {INT16_X}
+    mixed = INT16_X in (kind, want_kind) and kinds  # one side integer, the other not
+    assert_agrees(got, want, max(kinds) if kinds else REORDERED, prods,
+                  x_rounding(weight, rows, dtype) if mixed else None)
 
 
 @pytest.mark.parametrize("level", nk.levels_buildable_here())
