@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -71,7 +72,10 @@ class RemoteNodes:
         self._thread: threading.Thread | None = None
         self._grace_s = 2.0  # the workers' time to stop, once `stop` says it
         self._final = True  # the NodeStop that `stop` sends: no restart of this replica follows
-        self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}"
+        # Unique per socket: a restarted replica listens on the same port, and its predecessor's
+        # watch thread (joined with a bound) may release its domain after this one admitted the
+        # nodes' key under the same name, refusing every node from then on (seen in the suite).
+        self._domain = f"shardserve-nodes-{os.getpid()}-{self.port}-{secrets.token_hex(4)}"
         addr = pc.multinode.master_addr
         if addr.startswith("127.") or addr in ("localhost", "::1"):
             logger.warning("nnodes=%d with master_addr=%s: only processes on this machine can "

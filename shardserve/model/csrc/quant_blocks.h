@@ -150,6 +150,26 @@ static inline __m256i high_nibbles(__m256i v) {
 static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 
+/* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
+ * element i (lane by lane: both lanes' matrices at once). */
+static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* x[0..3] then x[4..7] */
+        u[4 * h] = _mm256_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
+        v[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
+    }
+}
+
 /* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
 static inline __m128i f32x8_to_bf16(__m256 v) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)

@@ -9,26 +9,6 @@
 #include "quant_blocks.h"
 
 #if QK_SIMD && defined(__AVX512F__)
-/* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
- * element i (lane by lane: both lanes' matrices at once). */
-static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; h++) { /* x[0..3] then x[4..7] */
-        u[4 * h] = _mm256_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        v[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
-        v[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
-    }
-}
-
 /* Row r's 16 bytes of the transposed words (lane r / 8 of v[r % 8]). */
 static inline __m128i row_bytes16(const __m256i *v, int r) {
     return r < 8 ? _mm256_castsi256_si128(v[r]) : _mm256_extracti128_si256(v[r - 8], 1);
