@@ -60,14 +60,14 @@ ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
 ROWS_MAX_TILES = 16
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
+_KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max with float32 x
 
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
     if x_dtype != torch.float32:
         return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
-    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANTS or ggml_type in (T4K, T6K) \
-        else ROWS_MAX_F32
+    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANT_ROWS else ROWS_MAX_F32
 
 
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}

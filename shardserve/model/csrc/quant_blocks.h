@@ -150,6 +150,15 @@ static inline __m256i high_nibbles(__m256i v) {
 static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void store32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 
+/* Q6_K's values (0..63) of quarter u of a half: ql's low (u < 2) or high nibbles, with qh's bits
+ * 2u, 2u + 1 above them (the 16-bit shifts' spill into a neighbouring byte is masked off). */
+static inline __m256i k6_bytes(__m256i ql, __m256i qh, int u) {
+    const __m256i nib = u < 2 ? low_nibbles(ql) : high_nibbles(ql);
+    const __m256i top = u == 0 ? _mm256_slli_epi16(qh, 4) : u == 1 ? _mm256_slli_epi16(qh, 2)
+                      : u == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+}
+
 /* Columns of an 8 x 8 matrix of 16-bit values in each 128-bit lane: x[i] element j -> v[j]
  * element i (lane by lane: both lanes' matrices at once). */
 static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
@@ -224,11 +233,7 @@ ALWAYS_INLINE __m256i fused_sub(
     s[1] = k_s[2 * j + 1];
     m[0] = -32.f * s[0];
     m[1] = -32.f * s[1];
-    const __m256i lo = load32(blk + 64 * h + 32 * (k & 1));
-    const __m256i nib = k < 2 ? low_nibbles(lo) : high_nibbles(lo);
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 128 + 32 * h), 2 * k),
-                                         _mm256_set1_epi8(3));
-    return _mm256_or_si256(nib, _mm256_slli_epi16(top, 4));
+    return k6_bytes(load32(blk + 64 * h + 32 * (k & 1)), load32(blk + 128 + 32 * h), k);
 }
 
 ALWAYS_INLINE __m256 bytes8_to_f32(uint64_t v, int is_signed) {

@@ -1,11 +1,11 @@
 /*
  * GGML blocks rewritten as tiles of 16 rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K,
- * T6K from Q6_K;
- * quant_tiles.c draws the layouts) at load: the same values, bytes moved, Q4_0's m = -8 d
- * computed in fp16 as the kernels would. A loop of small copies per row and block: the numpy
- * transposes this replaces took ~1 s for a 1B model's 0.47 GB of Q4_K (6-dimensional strided
- * copies of 2-byte items), this ~0.1 s. Runs on the calling thread (the loader repacks several
- * weights at once on a thread pool; ctypes releases the GIL).
+ * T6K from Q6_K; quant_tiles.c draws the layouts) at load: the same values, bytes moved, Q4_0's
+ * m = -8 d computed in fp16 as the kernels would. The values' 16-bit words move 8 words x 16
+ * rows at a time (words8), the scales a row at a time: ~1.3 GB/s, most of it the page faults of
+ * the new memory (the numpy transposes this replaced took ~1 s for a 1B model's 0.47 GB of
+ * Q4_K). Runs on the calling thread (the loader repacks several weights at once on a thread
+ * pool; ctypes releases the GIL).
  */
 #include "quant_blocks.h"
 
@@ -23,8 +23,7 @@ static void q4_0_min(const uint8_t *d, uint8_t *m) {
 #endif
 
 /* Words [0, 8) of 16 rows (16 bytes at src + r * stride) as the tiles' 8 chunks at dst: chunk
- * w holds row r's word w at bytes 2 r, 2 r + 1. (Moved 2 bytes at a time, Q6_K retiled at
- * 0.8 GB/s: +0.3 s on a 1B model's load.) */
+ * w holds row r's word w at bytes 2 r, 2 r + 1 (an 8 x 8 transpose of words per half). */
 static void words8(const uint8_t *src, int64_t stride, uint8_t *dst) {
 #if QK_SIMD
     __m256i v[8], x[8];
@@ -73,7 +72,8 @@ static void retile(int src_type, const uint8_t *src, int64_t row_bytes, int64_t 
                 const uint8_t *blk = src + r * row_bytes + 144 * bi;
                 memcpy(o + 2 * r, blk, 2);
                 memcpy(o + 32 + 2 * r, blk + 2, 2);
-                for (int w = 0; w < 3; w++) memcpy(o + 64 + 64 * w + 4 * r, blk + 4 + 4 * w, 4);
+                for (int w = 0; w < 3; w++)
+                    memcpy(o + 64 + 64 * w + 4 * r, blk + 4 + 4 * w, 4);
             }
         }
         return;

@@ -75,7 +75,6 @@ static void decode_tile_k4(const uint8_t *tile, int r0, int r1, int64_t k0, int6
 static void decode_tile_k6(const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc, void *out,
                            int64_t stride, int out_dtype) {
     const size_t es = out_dtype == DT_F32 ? 4 : 2;
-    const __m128i nib4 = _mm_set1_epi8(0xF), top2 = _mm_set1_epi8(0x30);
     for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
         const uint8_t *p = tile + T6K_BLOCK_BYTES * bi;
         for (int h = 0; h < 2; h++)
@@ -87,17 +86,14 @@ static void decode_tile_k6(const uint8_t *tile, int r0, int r1, int64_t k0, int6
                 for (int r = r0; r < r1; r++) {
                     char *row = (char *)out + (size_t)((r - r0) * stride) * es;
                     const float d = half_to_f32(p + 2 * r);
-                    const __m128i qa = row_bytes16(a, r), qb = row_bytes16(b, r);
-                    const __m128i qh = row_bytes16(hi, r);
-                    const __m128i nib[4] = {_mm_and_si128(qa, nib4), _mm_and_si128(qb, nib4),
-                                            _mm_and_si128(_mm_srli_epi16(qa, 4), nib4),
-                                            _mm_and_si128(_mm_srli_epi16(qb, 4), nib4)};
-                    const __m128i top[4] = {_mm_slli_epi16(qh, 4), _mm_slli_epi16(qh, 2), qh,
-                                            _mm_srli_epi16(qh, 2)};
+                    /* ql's bytes of the low quarters, then the high ones', and qh's */
+                    const __m256i ql[2] = {_mm256_castsi128_si256(row_bytes16(a, r)),
+                                           _mm256_castsi128_si256(row_bytes16(b, r))};
+                    const __m256i qh = _mm256_castsi128_si256(row_bytes16(hi, r));
                     for (int u = 0; u < 4; u++) {
                         const int j = 8 * h + 2 * u + half;
                         const float s = d * (float)(int8_t)p[T6K_SC(j) + r];
-                        const __m128i q = _mm_or_si128(nib[u], _mm_and_si128(top[u], top2));
+                        const __m128i q = _mm256_castsi256_si128(k6_bytes(ql[u & 1], qh, u));
                         emit16(row, 256 * bi + 16 * j - k0, q, UNSIGNED8, s, -32.f * s, out_dtype);
                     }
                 }

@@ -1,7 +1,7 @@
 /*
- * Weights in tiles of 16 output rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K, written
- * at load by quant_retile.c where a weight's rows come in multiples of 16), and their product
- * with a few rows of x.
+ * Weights in tiles of 16 output rows (T4 from Q4_0 / Q4_1, T8 from Q8_0, T4K from Q4_K, T6K
+ * from Q6_K, written at load by quant_retile.c where a weight's rows come in multiples of 16),
+ * and their product with a few rows of x.
  *
  * Why tiles: in a row layout (R4) every sub-block of 32 weights ends in a float step per row
  * of x (its integer dot converted, then scaled by d_w * d_x): at batch 1 that is as many
@@ -197,7 +197,8 @@ ALWAYS_INLINE void tile_rows_k4(int NB, const uint8_t *tile, const xquant_t *xq,
             for (int i = 0; i < NB; i++) lo_dot[i] = hi_dot[i] = i_zero();
 #pragma GCC unroll 16
             for (int t = 0; t < 16; t++) {
-                const ivec v = i_u8(p + T4K_NIB + 512 * pair + 32 * t), lo = i_low4(v), hi = i_high4(v);
+                const ivec v = i_u8(p + T4K_NIB + 512 * pair + 32 * t);
+                const ivec lo = i_low4(v), hi = i_high4(v);
                 for (int i = 0; i < NB; i++) {
                     const int16_t *x = xq->q + (b0 + i) * K + 256 * bi + 64 * pair + 2 * t;
                     lo_dot[i] = dot_pairs(lo_dot[i], lo, x);
@@ -219,16 +220,10 @@ ALWAYS_INLINE void tile_rows_k4(int NB, const uint8_t *tile, const xquant_t *xq,
     }
 }
 
-/* T6K's 16 rows of one word t of quarter u (qh's bits 2u, 2u + 1 above ql's nibble), widened
- * to 16 bits: the bytes combined in a 256-bit register (half the work of 16-bit lanes). */
+/* T6K's 16 rows of one word t of quarter u, widened to 16 bits (combined as bytes: half the
+ * work of 16-bit lanes). */
 ALWAYS_INLINE ivec k6_words(const uint8_t *ql, const uint8_t *qh, int u) {
-    const __m256i l = load32(ql), h = load32(qh), nib4 = _mm256_set1_epi8(0xF);
-    const __m256i nib = u < 2 ? _mm256_and_si256(l, nib4)
-                              : _mm256_and_si256(_mm256_srli_epi16(l, 4), nib4);
-    const __m256i top = u == 0 ? _mm256_slli_epi16(h, 4) : u == 1 ? _mm256_slli_epi16(h, 2)
-                               : u == 2 ? h : _mm256_srli_epi16(h, 2);
-    const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
-    return _mm512_cvtepu8_epi16(q);
+    return _mm512_cvtepu8_epi16(k6_bytes(load32(ql), load32(qh), u));
 }
 
 /* T6K: a tile's 16 outputs for NB rows of x, 16 columns (a scale) at a time; q's -32 through
@@ -275,11 +270,12 @@ ALWAYS_INLINE void tile_rows_k6(int NB, const uint8_t *tile, const xquant_t *xq,
 /* A tile's 16 outputs for NB rows of x from b0 (TYPE and NB constants at each call). */
 ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
                              int64_t b0, int64_t K, fvec *res) {
-    if (TYPE == T_T4K || TYPE == T_T6K) {
-        if (TYPE == T_T4K)
-            tile_rows_k4(NB, tile, xq, b0, K, res);
-        else
-            tile_rows_k6(NB, tile, xq, b0, K, res);
+    if (TYPE == T_T4K) {
+        tile_rows_k4(NB, tile, xq, b0, K, res);
+        return;
+    }
+    if (TYPE == T_T6K) {
+        tile_rows_k6(NB, tile, xq, b0, K, res);
         return;
     }
     const int64_t nsub = K / 32;
