@@ -2,7 +2,8 @@
 prompts the default model really copies from and on free writing, at batch 1 and batch 32.
 
     python bench/spec_decode.py [--rounds 3] [--max-tokens 128] [--k 4] [--sets code,...]
-                                [--sides none,ngram,suffix] [--batch 1,32] [--dtype auto]
+                                [--sides none,ngram,suffix,ngram-sync] [--batch 1,32]
+                                [--dtype auto]
                                 [--llama-server PATH --llama-gguf FILE --llama-args "..."]
 
 Sets (greedy, one engine per side kept up; the sides take turns within each round, the first
@@ -81,6 +82,9 @@ SETS = {
 
 
 def side_config(side: str, k: int) -> dict | None:
+    """A side's speculative_config: none, ngram or suffix ("-sync": the same without
+    asynchronous scheduling)."""
+    side = side.removesuffix("-sync")
     if side == "none":
         return None
     if side == "ngram":
@@ -187,7 +191,8 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     engines = {side: LLM(args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=32,
-                         speculative_config=side_config(side, args.k)) for side in sides}
+                         speculative_config=side_config(side, args.k),
+                         async_scheduling=not side.endswith("-sync")) for side in sides}
     ids = {name: [prompt_ids(engines[sides[0]], kind, text) for kind, text in SETS[name]]
            for name in sets}
     llama = None

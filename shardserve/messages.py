@@ -67,6 +67,12 @@ class SchedulerOutput:
     # workers compute logits at each of its 1 + len(drafts) last positions, and keep in their
     # state only the drafts the step accepts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Asynchronous speculative decoding: request → at most how many drafts it verifies this
+    # step, which the workers take from their own proposals after its step still in flight.
+    # That step's accepted count is not known here, so the workers place the request
+    # themselves: its last sampled token at their own num_computed_tokens (the one sent is an
+    # upper bound), then up to that many drafts. num_scheduled_tokens counts 1 + the slots.
+    draft_slots: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -118,6 +124,9 @@ class ModelRunnerOutput:
     # Speculative decoding: the output rank's drafts for each request's next step (a request
     # without a proposal is absent).
     draft_token_ids: dict[str, list[int]] | None = None
+    # Speculative decoding: the drafts each request verified this step, int64 [N] aligned
+    # with req_ids (fewer than its draft_slots where the proposer had fewer); None: no drafts.
+    num_drafts: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

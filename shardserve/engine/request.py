@@ -37,6 +37,9 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens scheduled to be sampled whose ids are not back yet (see scheduler.py).
     num_output_placeholders: int = 0
+    # Draft positions of its steps in flight, counted in num_computed_tokens until the step is
+    # folded in (then its rejected ones are rolled back; see spec_decode_scheduling.py).
+    num_unverified_drafts: int = 0
     num_preemptions: int = 0
     # Output tokens the workers have been sent (pipeline parallelism: see the scheduler).
     num_output_tokens_sent: int = 0

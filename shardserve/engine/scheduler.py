@@ -81,6 +81,7 @@ class Scheduler(SchedulerResults):
         self._ended_outside: list[EngineCoreOutput] = []
         self.spec = SpecDecodeScheduling(speculative_config)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's scheduled drafts
+        self._draft_slots: dict[str, int] = {}  # this step's drafts the workers fill in
         self.loras = LoRAAdmission(lora_config)  # which adapters may run together
 
     # ---- requests in and out ----
@@ -124,6 +125,7 @@ class Scheduler(SchedulerResults):
         self._seq_cap = self._micro_batch_cap()
         self._structured = {}
         self._spec_tokens = {}
+        self._draft_slots = {}
         self.spec.begin_step(len(self.running))
         budget = self._schedule_running(budget, num_tokens, cached, preempted)
         new_reqs: list[NewRequestData] = []
@@ -139,6 +141,7 @@ class Scheduler(SchedulerResults):
             preempted_req_ids=preempted,
             structured_positions=self._structured,
             scheduled_spec_decode_tokens=self._spec_tokens,
+            draft_slots=self._draft_slots,
         )
 
     def _schedule_running(
@@ -155,11 +158,12 @@ class Scheduler(SchedulerResults):
             if n <= 0:  # everything it may compute is in flight already
                 i += 1
                 continue
-            drafts = self._take_drafts(request, n, budget)
-            new_blocks = self.kv.allocate(request.request_id,
-                                          request.num_computed_tokens + n + len(drafts))
-            if new_blocks is None and drafts:  # drafts never cost a preemption: go without
-                drafts = []
+            slotted = self._workers_place(request)
+            drafts = [] if slotted else self._take_drafts(request, n, budget)
+            k = self._take_slots(request, budget) if slotted else len(drafts)
+            new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n + k)
+            if new_blocks is None and k:  # drafts never cost a preemption: go without
+                drafts, k = [], 0
                 new_blocks = self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             if new_blocks is None:
                 # The last in the policy's order goes first (see request_queue.py). It sits at
@@ -175,11 +179,13 @@ class Scheduler(SchedulerResults):
             if self.num_stages > 1:
                 cached.new_token_ids.append(request.output_token_ids[request.num_output_tokens_sent:])
                 request.num_output_tokens_sent = len(request.output_token_ids)
-            if drafts:
+            if slotted:
+                self._draft_slots[request.request_id] = k
+            elif drafts:
                 self._spec_tokens[request.request_id] = drafts
-            num_tokens[request.request_id] = n + len(drafts)
-            self._advance(request, n, len(drafts))
-            budget -= n + len(drafts)
+            num_tokens[request.request_id] = n + k
+            self._advance(request, n, k)
+            budget -= n + k
             i += 1
         return budget
 
@@ -195,6 +201,23 @@ class Scheduler(SchedulerResults):
         # Usable drafts follow every folded token, so the matcher has taken them all.
         return request.grammar.valid_drafts(drafts) if request.grammar is not None else drafts
 
+    def _workers_place(self, request: Request) -> bool:
+        """Asynchronous speculative decoding: a request with a step in flight, which may
+        verify drafts, runs its next step where the workers place it, with their own drafts
+        (SchedulerOutput.draft_slots). Not with pipeline stages (they wait for the token) nor
+        for a constrained request (its bitmask needs the drafts here: it waits, holds_back)."""
+        return (self.spec.enabled and self.num_stages == 1 and request.grammar is None
+                and request.num_output_placeholders > 0)
+
+    def _take_slots(self, request: Request, budget: int) -> int:
+        """How many drafts a step the workers place may verify: the gate's and the step's
+        share, within the model's length and max_tokens however many tokens its step in
+        flight emits (at most its drafts + 1, at least 1)."""
+        request.spec_token_ids = []  # proposed before the step in flight: stale
+        room = min(self.max_model_len - request.num_tokens - request.num_unverified_drafts,
+                   request.max_output_tokens - len(request.output_token_ids)) - 2
+        return self.spec.allowance(request, budget, room, len(self.running))
+
     def _num_new_tokens(self, request: Request) -> int:
         """Tokens a running request can compute now: known ones and in-flight placeholders
         not yet scheduled, unless the token in flight is already its last one."""
@@ -206,19 +229,21 @@ class Scheduler(SchedulerResults):
             or request.num_tokens + placeholders >= self.max_model_len
         ):
             return 0
-        return request.num_tokens + placeholders - request.num_computed_tokens
+        return request.num_tokens + placeholders - (
+            request.num_computed_tokens - request.num_unverified_drafts)
 
     def _advance(self, request: Request, n: int, num_drafts: int = 0) -> None:
         """Count n scheduled tokens (and the drafts after them) as computed; a step that reaches
         the end samples one more (for a constrained request, noted with the index of the output
         token it samples). Drafts stay out of the known ids, so out of the prefix hashes."""
         request.num_computed_tokens += n + num_drafts
+        request.num_unverified_drafts += num_drafts
         known = min(request.num_computed_tokens, request.num_tokens)  # ids known, KV scheduled
         if self.kv.enable_prefix_caching and \
                 known // self.kv.block_size > self.kv.num_registered(request.request_id):
             self.kv.register_full_blocks(request.request_id, request.all_token_ids, known,
                                          request.lora_key)
-        if request.num_computed_tokens - num_drafts == \
+        if request.num_computed_tokens - request.num_unverified_drafts == \
                 request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             if request.grammar is not None:
@@ -319,6 +344,7 @@ class Scheduler(SchedulerResults):
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_unverified_drafts = 0  # (its steps in flight roll nothing back)
         request.spec_token_ids = []  # proposed for positions it will recompute
         request.num_preemptions += 1
         self.total_preemptions += 1

@@ -20,10 +20,22 @@ again; a request holds at most the blocks of num_tokens + k tokens (the next ver
 a rejection frees nothing that the next step would not allocate again.
 
 Asynchronous scheduling: a request's drafts come back with the step that sampled the token
-they follow, so a speculating request is not scheduled again while a step for it is in flight
-(it runs synchronously; others keep two steps in flight); drafts that arrive while another
-step for the request is already under way are stale and dropped. A request whose speculation is
-paused (below) runs asynchronously as before.
+they follow, too late for the step planned while that one runs. So that step gets draft
+*slots* (SchedulerOutput.draft_slots): the workers, which finished the step before, know how
+many drafts it accepted and hold their own proposals (every rank of the stage proposes), so
+they place the request and fill in up to that many drafts. Here its positions are counted as
+if every draft were accepted (num_computed_tokens an upper bound; `num_unverified_drafts` the
+draft positions in flight), and each step's rollback, when it is folded in, is its slots less
+the drafts accepted:
+
+    scheduled N:    num_tokens T, num_computed T + d, unverified d        (d drafts or slots)
+    scheduled N+1:  num_computed T + d + 1 + s, unverified d + s           (s slots)
+    N folded in:    a accepted: num_tokens T + a + 1, num_computed T + a + 1 + s, unverified s
+                    (what the workers compute in N+1: the token at T + a, then <= s drafts)
+
+A constrained request still waits for its step (its bitmask needs the drafts here), as does
+every request with pipeline stages; the drafts that come back with a step are used where the
+request has none in flight (the queue ran dry, or it waited).
 
 Never slower: worker/spec_decode's SpeculationGate, consulted once per request per step,
 decides whether its drafts are used (none above max_batch_for_speculation running requests;
@@ -69,36 +81,48 @@ class SpecDecodeScheduling:
         self._rows_left = max(0, self.max_rows - num_running) if self.max_rows else 1 << 30
         self._requests_left = max(1, num_running)
 
-    def take_drafts(self, request: Request, usable: bool, budget: int, room: int,
-                    num_running: int) -> list[int]:
-        """The drafts to verify with the request's next token (called once per scheduled step
-        of a running request): none unless the gate says so and they are `usable` (proposed
-        after its last token, which is all it computes now); at most `budget` - 1 (the step's
-        tokens left), `room` and its share of the step's rows (begin_step). The request's
-        drafts are used up either way."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
+    def allowance(self, request: Request, budget: int, room: int, num_running: int) -> int:
+        """How many drafts the request's next token may take (called once per scheduled step
+        of a running request): none unless the gate says so; at most `budget` - 1 (the
+        step's tokens left), `room` and its share of the step's rows (begin_step)."""
         if self.gate is None:
-            return []
+            return 0
         share = self._rows_left // self._requests_left
         self._requests_left = max(1, self._requests_left - 1)
         # request.spec: the gate's last word on the request (holds_back reads it).
         request.spec = self.gate.should_propose(request.request_id, num_running)
-        if not (request.spec and usable and drafts):
-            return []
-        taken = drafts[:max(0, min(budget - 1, room, self.k, share))]
-        self._rows_left -= len(taken)
+        if not request.spec:
+            return 0
+        allowed = max(0, min(budget - 1, room, self.k, share))
+        self._rows_left -= allowed
+        return allowed
+
+    def take_drafts(self, request: Request, usable: bool, budget: int, room: int,
+                    num_running: int) -> list[int]:
+        """The drafts to verify with the request's next token: its allowance of them, if they
+        are `usable` (proposed after its last token, which is all it computes now). The
+        request's drafts are used up either way."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        allowed = self.allowance(request, budget, room, num_running)
+        taken = drafts[:allowed] if usable else []
+        self._rows_left += allowed - len(taken)
         return taken
 
     def holds_back(self, request: Request) -> bool:
-        """Async scheduling: a speculating request with a step in flight waits for it (its
-        drafts come back with that step). Not judged yet (None: its prefill is in flight)
-        counts as speculating, so its first decode can verify the prefill's drafts."""
-        return self.enabled and request.num_output_placeholders > 0 and request.spec is not False
+        """A speculating constrained request with a step in flight waits for it (its drafts
+        and their bitmask need that step's tokens; see the module's docstring). Not judged yet
+        (None: its prefill is in flight) counts as speculating, so its first decode can verify
+        the prefill's drafts."""
+        return (self.enabled and request.num_output_placeholders > 0
+                and request.grammar is not None
+                and (request.spec is not False or request.num_unverified_drafts > 0))
 
     def on_verified(self, request: Request, num_drafts: int, num_emitted: int) -> int:
         """Count a verify step of `num_drafts` drafts that emitted `num_emitted` tokens (before
-        any stop cut them); returns the rejected drafts (positions to roll back)."""
+        any stop cut them); returns the drafts accepted."""
         accepted = max(0, min(num_drafts, num_emitted - 1))
+        if num_drafts <= 0:
+            return 0
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -107,7 +131,7 @@ class SpecDecodeScheduling:
             stats.accepted_per_pos[i] += 1
         if self.gate is not None:
             self.gate.record(request.request_id, num_drafts, accepted)
-        return num_drafts - accepted
+        return accepted
 
     def finish(self, request_id: str) -> None:
         if self.gate is not None:

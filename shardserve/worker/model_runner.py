@@ -13,7 +13,10 @@ so with pipeline parallelism every rank takes each request's new tokens from the
 
 Speculative decoding (spec_verify.py): a request may run its last token and drafts as 1 + d
 positions, sampled as 1 + d rows and verified; it keeps the accepted drafts and one more token,
-and the output rank proposes its next drafts.
+and the output rank proposes its next drafts. With asynchronous scheduling every rank of the
+(single) stage proposes, and a step planned while the request's previous one ran fills its
+draft slots with this rank's own proposal, at this rank's own positions (the scheduler cannot
+know how many drafts that step accepted; engine/spec_decode_scheduling.py).
 """
 
 from __future__ import annotations
@@ -109,11 +112,13 @@ class ModelRunner:
     def _proposes(self) -> bool:
         """Whether this rank proposes drafts: the one whose reply the engine reads (the first
         of the last stage), or under external_launcher every rank of the last stage (each
-        rank's engine reads its own worker's reply; the proposals agree, as the samples do)."""
+        rank's engine reads its own worker's reply; the proposals agree, as the samples do), or
+        with asynchronous scheduling and one stage every rank (each fills its own draft slots)."""
         if not get_pp_group().is_last:
             return False
         pc = self.config.parallel_config
-        return get_tp_group().rank == 0 or pc.distributed_executor_backend == "external_launcher"
+        return get_tp_group().rank == 0 or pc.distributed_executor_backend == "external_launcher" \
+            or self.config.scheduler_config.async_scheduling and pc.pipeline_parallel_size == 1
 
     def kv_cache_block_bytes(self) -> int:
         model = self._require_model()
@@ -191,7 +196,8 @@ class ModelRunner:
         ):
             state = self.requests[rid]
             state.block_ids.extend(blocks)
-            state.num_computed_tokens = computed
+            if rid not in so.draft_slots:  # else an upper bound: its own count is exact
+                state.num_computed_tokens = computed
         if self.tokens_from_scheduler:
             for rid, tokens in zip(cached.req_ids, cached.new_token_ids, strict=True):
                 self.requests[rid].sampling.output_token_ids.extend(tokens)
@@ -211,8 +217,8 @@ class ModelRunner:
         order = so.scheduled_cached_reqs.req_ids + [r.req_id for r in so.scheduled_new_reqs]
         states = [self.requests[rid] for rid in order]
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
-        spec = so.scheduled_spec_decode_tokens
-        drafts = [spec.get(rid, []) for rid in order] if spec else [[]] * len(order)
+        spec = so.scheduled_spec_decode_tokens or so.draft_slots
+        drafts = self._drafts(so, order, states, query_lens) if spec else [[]] * len(order)
         input_ids, rows = self._prepare_inputs(states, query_lens, drafts)
         meta = self._metadata(rows)
         if self.loras is not None:  # every token's adapter slot, for this step's layers
@@ -242,6 +248,21 @@ class ModelRunner:
         if rows or prompt_logprobs or pooled:
             self._pending = PendingSample([states[i] for i in rows], logits, prompt_logprobs,
                                            pooled, row_drafts)
+
+    @staticmethod
+    def _drafts(so: SchedulerOutput, order: list[str], states: list[CachedRequestState],
+                query_lens: list[int]) -> list[list[int]]:
+        """Each request's drafts this step: those scheduled, or its own proposal in the slots
+        (its query then 1 + the drafts taken, fewer than scheduled where it had fewer)."""
+        drafts = []
+        for i, rid in enumerate(order):
+            slots = so.draft_slots.get(rid)
+            if slots is None:
+                drafts.append(so.scheduled_spec_decode_tokens.get(rid, []))
+                continue
+            drafts.append(states[i].next_drafts[:slots])
+            query_lens[i] = 1 + len(drafts[-1])
+        return drafts
 
     def _logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int],
                 query_lens: list[int], row_drafts: list[list[int]] | None) -> torch.Tensor:

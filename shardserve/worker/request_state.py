@@ -3,7 +3,7 @@ leaves for its sampling (model_runner.py, step_sampler.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    # This rank's proposal after the request's last step that sampled, for a next step whose
+    # drafts the workers fill in (SchedulerOutput.draft_slots).
+    next_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

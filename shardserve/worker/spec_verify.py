@@ -8,8 +8,10 @@ is the request's output plus drafts[:j]: penalties, min_tokens, bad words, logit
 the per-position seed then see exactly the context they would see without speculation, had the
 drafts before it been sampled. model/rejection_sampler.py decides what is kept.
 
-Only the output rank proposes (the rank whose reply the engine reads); the others get the
-drafts with the next step's SchedulerOutput like every other input.
+The output rank proposes (the rank whose reply the engine reads); the others get the drafts
+with the next step's SchedulerOutput like every other input. With asynchronous scheduling (one
+pipeline stage) every rank proposes, for the steps whose drafts the workers fill in themselves
+(SchedulerOutput.draft_slots): each rank's proposals agree, as its samples do.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ class StepSampler:
             logprobs=_to_numpy(logprobs[1]),
             sampled_token_ranks=_to_numpy(logprobs[2]),
             draft_token_ids=self._propose(pending, emitted, num_requests),
+            num_drafts=None if drafts is None else np.asarray([len(d) for d in drafts],
+                                                               np.int64),
         )
 
     def _keep(self, pending: PendingSample, emitted: list[list[int]]) -> None:
@@ -76,9 +78,12 @@ class StepSampler:
         if self.drafter is None:
             return None
         extra = emitted if self.tokens_from_scheduler else [[]] * len(emitted)
-        return self.drafter.propose(
+        drafts = self.drafter.propose(
             [(s.req_id, s.sampling, e) for s, e in zip(pending.states, extra, strict=True)],
-            num_requests) or None
+            num_requests)
+        for s in pending.states:  # for a next step with draft slots
+            s.next_drafts = drafts.get(s.req_id, [])
+        return drafts or None
 
     @staticmethod
     def _apply_grammar(pending: PendingSample, grammar_output: GrammarOutput) -> None:

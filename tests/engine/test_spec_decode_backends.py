@@ -67,8 +67,27 @@ def reference(sync_runs) -> dict[str, list[tuple]]:
     return sync_runs[0]
 
 
-def _check(llm: LLM, reference: dict[str, list[tuple]]) -> None:
+def _check(llm: LLM, reference: dict[str, list[tuple]]) -> int:
+    """The outputs equal the reference's; returns the drafts verified in steps the workers
+    filled in themselves (asynchronous scheduling: SchedulerOutput.draft_slots)."""
+    filled = _count_filled_drafts(llm)
     _check_runs(run_cases(llm, k=K), reference)
+    return filled[0]
+
+
+def _count_filled_drafts(llm: LLM) -> list[int]:
+    """A spy on the scheduler's fold: the drafts the workers verified in draft slots."""
+    scheduler = llm.engine.core.scheduler
+    fold, filled = scheduler.update_from_output, [0]
+
+    def counted(so, out):
+        if so.draft_slots and out.num_drafts is not None:
+            filled[0] += sum(int(n) for rid, n in zip(out.req_ids, out.num_drafts, strict=True)
+                             if rid in so.draft_slots)
+        return fold(so, out)
+
+    scheduler.update_from_output = counted
+    return filled
 
 
 def _check_runs(runs: tuple[dict[str, list[tuple]], int], reference: dict) -> None:
@@ -125,9 +144,11 @@ def test_suffix_identical(echo_model, reference):
 
 
 def test_async_identical(echo_model, reference):
+    """Two steps in flight: a speculating request's next step verifies the drafts the workers
+    proposed after its step in flight, placed by them (draft slots)."""
     llm = _engine(echo_model)
     try:
-        _check(llm, reference)
+        assert _check(llm, reference) > 0
     finally:
         _shutdown(llm)
 
@@ -148,7 +169,9 @@ def test_preemption_identical(echo_model, reference):
 def test_mp_identical(echo_model, reference, layout):
     llm = _engine(echo_model, distributed_executor_backend="mp", **layout)
     try:
-        _check(llm, reference)
+        filled = _check(llm, reference)
+        # TP: every rank proposes and fills its slots alike; stages wait for their tokens.
+        assert (filled > 0) == ("tensor_parallel_size" in layout), filled
     finally:
         _shutdown(llm)
 
