@@ -43,7 +43,8 @@ class SchedulerResults:
             if request is None:
                 continue  # finished or aborted while the step ran: its token is discarded
             request.num_output_placeholders -= 1
-            verified = None if output.num_drafts is None else int(output.num_drafts[j])
+            # (None: no request of the step verified a draft)
+            verified = 0 if output.num_drafts is None else int(output.num_drafts[j])
             tokens = self._fold_tokens(request, sched, output, offsets[j], offsets[j + 1],
                                        verified)
             # Else stale: a step for it is under way, or it was preempted (recomputes first).
@@ -66,7 +67,7 @@ class SchedulerResults:
         return outputs + self._finish_pooled(output)
 
     def _fold_tokens(self, request: Request, sched: SchedulerOutput, output: ModelRunnerOutput,
-                     start: int, end: int, verified: int | None) -> list[int]:
+                     start: int, end: int, verified: int) -> list[int]:
         """Append a step's tokens for one request up to the first that ends it (tokens after
         it are dropped, as a step-by-step engine would never have sampled them); roll back the
         positions of rejected drafts: its draft positions (`slots`, the drafts it was sent
@@ -75,8 +76,7 @@ class SchedulerResults:
         slots = len(sched.scheduled_spec_decode_tokens.get(rid, ())) or \
             sched.draft_slots.get(rid, 0)
         if slots:
-            accepted = self.spec.on_verified(
-                request, slots if verified is None else verified, end - start)
+            accepted = self.spec.on_verified(request, verified, end - start)
             if request.status == RequestStatus.RUNNING:  # (a preempted one computes from 0)
                 request.num_computed_tokens -= slots - accepted
                 request.num_unverified_drafts -= slots

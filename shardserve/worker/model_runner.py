@@ -243,7 +243,7 @@ class ModelRunner:
         ]
         for s, n in zip(states, query_lens, strict=True):
             s.num_computed_tokens += n
-        row_drafts = [drafts[i] for i in rows] if spec else None
+        row_drafts = [drafts[i] for i in rows] if any(drafts) else None
         logits = self._logits(hidden, meta, rows, query_lens, row_drafts) if rows else None
         if rows or prompt_logprobs or pooled:
             self._pending = PendingSample([states[i] for i in rows], logits, prompt_logprobs,
