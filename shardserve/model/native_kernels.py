@@ -7,14 +7,11 @@ kernel reads K/V rows where they lie, once per step, with float32 accumulation. 
 per-layer ops around it (RMSNorm with the residual add, RoPE, SiLU*up, the KV-cache write) cost
 PyTorch 10-70 us each in dispatch and temporaries, 30 layers a step; in C they are one call each.
 
-Build: `gcc -O3 -fopenmp -shared` and the ISA level's -march (SHARDSERVE_ISA: native, avx2,
-portable; kernel_levels.py; logged once when loaded; compiler: SHARDSERVE_CC) into a cache folder
-(SHARDSERVE_CACHE_DIR, default ~/.cache/shardserve), named by a hash of the sources and their
-shared header (csrc/kernels_common.h), the flags, the compiler and the CPU's flags, so an edit,
-another compiler or another CPU gets its own library.
-The library is written to a temporary name and renamed, so processes building at once never load
-a half-written file. Without a compiler every caller falls back to the PyTorch path, with one
-warning; SHARDSERVE_NATIVE_KERNELS=0 forces that fallback. A compiler that is present but fails
+Build (kernel_build.py): `gcc -O3 -fopenmp -shared` and the ISA level's -march (SHARDSERVE_ISA:
+native, avx2, portable; kernel_levels.py; logged once when loaded; compiler: SHARDSERVE_CC), one
+object per source in parallel, into a cache folder named by what decides a rebuild. Without a
+compiler every caller falls back to the PyTorch path, with one warning;
+SHARDSERVE_NATIVE_KERNELS=0 forces that fallback. A compiler that is present but fails
 (a broken source, a missing header) also falls back, but logs an error with the compiler's
 output: that is a defect, and the tests fail on it (they skip only where `compiler_available()`
 is False).
@@ -26,12 +23,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,47 +33,16 @@ from typing import Any
 import torch
 
 from shardserve import envs
-from shardserve.model import kernel_levels
+from shardserve.model import kernel_build, kernel_levels
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-# Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
-QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant_kernels.c"
-# And their SIMD row kernels for small batches (the batch-1 decode step's products).
-ROWS_SOURCE = Path(__file__).parent / "csrc" / "quant_rows.c"
-# And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
-TILES_SOURCE = Path(__file__).parent / "csrc" / "quant_tiles.c"
-# And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
-TILE_PANELS_SOURCE = Path(__file__).parent / "csrc" / "quant_tile_panels.c"
-RETILE_SOURCE = Path(__file__).parent / "csrc" / "quant_retile.c"
-# And the batched products from the quantized blocks (decoded panel by panel, no dense copy).
-GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
-# And the weight rows it decodes into its panels.
-PANEL_SOURCE = Path(__file__).parent / "csrc" / "quant_decode.c"
-# And a decode step through a stack of quantized layers in one call (fused_decode.py).
-DECODE_SOURCE = Path(__file__).parent / "csrc" / "decode_layers.c"
-# And the LoRA adapters' share of a projection, grouped by adapter slot (model/lora.py).
-LORA_SOURCE = Path(__file__).parent / "csrc" / "lora_kernels.c"
-# And context-parallel attention: partials with log-sum-exp and their merge (context_parallel.py).
-CP_SOURCE = Path(__file__).parent / "csrc" / "cp_attention.c"
-# What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
-# them, so an edit to it rebuilds; its folder is on the include path, so a `source` copied
-# elsewhere (the tests' broken copy) still finds it.
-HEADER = Path(__file__).parent / "csrc" / "kernels_common.h"
-# What the quantized-weight sources share among themselves (types, blocks, x's quantized form).
-QUANT_HEADER = HEADER.parent / "quant_blocks.h"
-# No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
-# allow reordering float sums (vectorised dot products) and nothing else.
-_FLAGS = (
-    "-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-    "-fassociative-math", "-fno-signed-zeros",
-)
+# The sources, flags and build cache: kernel_build.py (SOURCE a test may replace by a copy).
+SOURCE = kernel_build.SOURCE
 # The ISA levels' flags (the tests' and the bench's builds) and reports: kernel_levels.py.
 NATIVE_ARCH, AVX2_ARCH, PORTABLE_ARCH = (kernel_levels.ARCH_FLAGS[k] for k in kernel_levels.LEVELS)
 isa_report, levels_buildable_here = kernel_levels.isa_report, kernel_levels.levels_buildable_here
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_BUILD_TIMEOUT_S = 120.0
 _override: ctypes.CDLL | None = None
 _wrapper: Callable[[ctypes.CDLL], Any] | None = None  # see wrap_calls
 
@@ -133,7 +96,7 @@ def build_library(
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
     csrc/quant_kernels.c, quant_rows.c, quant_gemm.c, quant_decode.c, decode_layers.c,
     lora_kernels.c and cp_attention.c are always compiled in beside `source`."""
-    lib = ctypes.CDLL(str(_build(arch_flags, source or SOURCE, cache_dir)))
+    lib = ctypes.CDLL(str(kernel_build.build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     lib.arch_flags = arch_flags  # isa_report names the level by them
     return lib
@@ -148,47 +111,6 @@ def using(lib: ctypes.CDLL) -> Iterator[None]:
         yield
     finally:
         _override = previous
-
-
-def _build(arch_flags: tuple[str, ...], source_path: Path, cache_dir: Path | None) -> Path:
-    compiler = shutil.which(envs.compiler())
-    if compiler is None:
-        raise RuntimeError(f"no C compiler {envs.compiler()!r} on PATH (SHARDSERVE_CC)")
-    flags = (*_FLAGS, *arch_flags)
-    sources = (source_path, QUANT_SOURCE, ROWS_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
-               RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
-    cache = Path(cache_dir or envs.cache_dir()) / "kernels"
-    target = cache / f"cpu_kernels-{_cache_key(compiler, flags, sources)}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        # -I is not in the key: the header's bytes are, wherever it lies.
-        cmd = [compiler, *flags, f"-I{HEADER.parent}", *map(str, sources), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
-        os.replace(tmp, target)  # atomic: a concurrent builder replaces it with the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> str:
-    """What decides a rebuild: the sources and the header they include, flags, compiler, CPU."""
-    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER))
-    return hashlib.sha256(
-        source + " ".join(flags).encode() + _compiler_version(compiler)
-        + " ".join(sorted(kernel_levels.cpu_flags())).encode()
-    ).hexdigest()[:16]
-
-
-def _compiler_version(compiler: str) -> bytes:
-    out = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
-    return out.stdout
 
 
 def _declare(lib: ctypes.CDLL) -> None:

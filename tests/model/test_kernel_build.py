@@ -8,27 +8,27 @@ from pathlib import Path
 
 import pytest
 
+from shardserve.model import kernel_build as kb
 from shardserve.model import native_kernels as nk
 
 pytestmark = pytest.mark.skipif(
     not nk.compiler_available(), reason="no C compiler (SHARDSERVE_CC): PyTorch path only"
 )
 
-SOURCES = (nk.SOURCE, nk.QUANT_SOURCE, nk.ROWS_SOURCE, nk.TILES_SOURCE, nk.TILE_PANELS_SOURCE,
-           nk.RETILE_SOURCE, nk.GEMM_SOURCE, nk.PANEL_SOURCE, nk.DECODE_SOURCE)
+SOURCES = (kb.SOURCE, *kb.LINKED_SOURCES)
 
 
 def _key() -> str:
-    return nk._cache_key(shutil.which("gcc") or "gcc", nk.PORTABLE_ARCH, SOURCES)
+    return kb.cache_key(shutil.which("gcc") or "gcc", nk.PORTABLE_ARCH, SOURCES)
 
 
 @pytest.mark.parametrize("header", ["HEADER", "QUANT_HEADER"])
 def test_a_header_edit_changes_the_cache_key(header: str, monkeypatch, tmp_path: Path) -> None:
     before = _key()
-    original: Path = getattr(nk, header)
+    original: Path = getattr(kb, header)
     edited = tmp_path / original.name
     edited.write_bytes(original.read_bytes() + b"\n/* edited */\n")
-    monkeypatch.setattr(nk, header, edited)
+    monkeypatch.setattr(kb, header, edited)
     assert _key() != before
 
 
@@ -37,7 +37,7 @@ def test_the_header_is_included_by_every_source() -> None:
     for path in SOURCES:
         text = path.read_text()
         # Directly, or through the quantized sources' own header (which includes it).
-        via = nk.HEADER if nk.QUANT_HEADER.name not in text else nk.QUANT_HEADER
+        via = kb.HEADER if kb.QUANT_HEADER.name not in text else kb.QUANT_HEADER
         assert f'#include "{via.name}"' in text, path.name
-        assert f'#include "{nk.HEADER.name}"' in nk.QUANT_HEADER.read_text()
+        assert f'#include "{kb.HEADER.name}"' in kb.QUANT_HEADER.read_text()
         assert "static inline float bf16_to_f32" not in text, path.name
