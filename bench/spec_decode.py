@@ -2,7 +2,7 @@
 prompts the default model really copies from and on free writing, at batch 1 and batch 32.
 
     python bench/spec_decode.py [--rounds 3] [--max-tokens 128] [--k 4] [--sets code,...]
-                                [--sides none,ngram,suffix,ngram-sync] [--batch 1,32]
+                                [--sides none,ngram,suffix,ngram-sync,ngram@8] [--batch 1,32]
                                 [--dtype auto]
                                 [--llama-server PATH --llama-gguf FILE --llama-args "..."]
 
@@ -83,14 +83,15 @@ SETS = {
 
 def side_config(side: str, k: int) -> dict | None:
     """A side's speculative_config: none, ngram or suffix ("-sync": the same without
-    asynchronous scheduling)."""
-    side = side.removesuffix("-sync")
+    asynchronous scheduling; "@N": speculation_backoff_steps N, e.g. ngram@8)."""
+    side, _, backoff = side.removesuffix("-sync").partition("@")
+    extra = {"speculation_backoff_steps": int(backoff)} if backoff else {}
     if side == "none":
         return None
     if side == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5}
-    return {"method": "suffix", "num_speculative_tokens": k}
+                "prompt_lookup_max": 5, **extra}
+    return {"method": "suffix", "num_speculative_tokens": k, **extra}
 
 
 def prompt_ids(llm: LLM, kind: str, text: str) -> list[int]:

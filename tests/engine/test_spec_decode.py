@@ -7,9 +7,10 @@ reference), then 1, 3 and 5: the scheduler's cap on drafts per step (`scheduler.
 between generate calls, the proposer proposing 5 tokens and a step verifying the first k, which
 is what an engine built with k verifies (an n-gram draft is the k tokens that followed the
 match, so a shorter one is its prefix). The reference's 8 oracle prompts also equal HF's greedy
-output, so it is the plain engine's. (Asynchronous scheduling, preemption, mp TP=3 and PP=2,
-sampling and structured outputs: test_spec_decode_backends.py and test_spec_decode_sampling.py,
-on a tiny model.)
+output, so it is the plain engine's. The same cases then run asynchronously (n-gram and
+suffix), on mp TP=3 and on PP=2. (Preemption, sampling and structured outputs, every layout
+async on and off: test_spec_decode_backends.py and test_spec_decode_sampling.py, on a tiny
+model.)
 """
 
 from __future__ import annotations
@@ -109,3 +110,30 @@ def test_ngram_greedy_identical_k_1_3_5(sync_engine, reference):
     out = sync_engine.generate([prompts[-1]], params[-1], use_tqdm=False)[0].outputs[0]
     assert out.token_ids == reference[0][-1]
     assert stats.num_accepted_tokens - before >= MAX_TOKENS // 4
+
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 5, "max_verify_rows": 0,
+          "max_batch_for_speculation": 64}
+LAYOUTS = {
+    # Two steps in flight: the workers fill the draft slots of a step planned while the
+    # request's previous one ran (n-gram, then suffix decoding, which the others do not run).
+    "uni-async": ({}, (1, 3, 5)),
+    "uni-async-suffix": ({"speculative_config": SUFFIX}, (1, 3, 5)),
+    # Every rank proposes and fills its slots; stages wait for their tokens (synchronous here:
+    # asynchronous PP on the echo model, test_spec_decode_backends.py).
+    "mp-tp3-async": ({"tensor_parallel_size": 3, "distributed_executor_backend": "mp"}, (3,)),
+    "mp-pp2-sync": ({"pipeline_parallel_size": 2, "distributed_executor_backend": "mp",
+                     "async_scheduling": False}, (3,)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_identical_on_every_layout(reference, layout):
+    """The same cases on the default model through the other layouts and the suffix method:
+    the outputs of the synchronous engine without drafts."""
+    options, ks = LAYOUTS[layout]
+    llm = LLM(dtype="float32", max_model_len=512, **{"speculative_config": NGRAM, **options})
+    try:
+        _check(llm, *reference, ks=ks)
+    finally:
+        llm.shutdown()

@@ -70,6 +70,11 @@ _STOP_GRACE_S = 2.0
 # before this node gives up on that life of it by itself.
 _FAILED_WAIT_S = 30.0
 AGAIN = -1  # a life's end after which the replica may come back: wait for it again
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# A refused handshake that libzmq has not retried with success within this long gets a fresh
+# connection (see _await_start).
+_REFUSED_RETRY_S = 2.0
 
 
 def run_headless(pc: ParallelConfig) -> int:
@@ -130,8 +135,16 @@ class HeadlessNode:
         self._next_beat = 0.0
         # A closed connection to node 0 shortens the patience: silence after it means node 0
         # (not a slow network) is gone.
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._silent_limit = MASTER_SILENT_S
+
+    def _events(self) -> list[int]:
+        """The monitor's events since the last look, in order."""
+        events = []
+        while self._monitor.poll(0):
+            events.append(recv_monitor_message(self._monitor)["event"])
+        return events
 
     def _close(self) -> None:
         if self.sock.closed:
@@ -190,10 +203,25 @@ class HeadlessNode:
                           pc.world_size, pc.data_parallel_size, self.replica)
         deadline = time.monotonic() + pc.worker_start_timeout_s
         next_hello = 0.0
+        refused_at: float | None = None
         while time.monotonic() < deadline and not self.stopping.is_set():
             if time.monotonic() >= next_hello:
                 send(self.sock, hello)
                 next_hello = time.monotonic() + 1.0
+            for event in self._events():
+                if event & _HANDSHAKE_FAILED:
+                    refused_at = refused_at or time.monotonic()
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    refused_at = None
+            if refused_at is not None and time.monotonic() - refused_at > _REFUSED_RETRY_S:
+                # libzmq may never retry a connection whose handshake was refused
+                # (zeromq/libzmq#3519): here the restarted replica's predecessor, its port
+                # still open a moment after its close, refused us; a wrong secret is refused
+                # again. A fresh connection tries again either way.
+                self._close()
+                self._open()
+                refused_at, next_hello = None, 0.0
+                continue
             msg = self._poll()
             if isinstance(msg, NodeStart):
                 return msg
@@ -220,8 +248,7 @@ class HeadlessNode:
     def _serve(self) -> int:
         pending = list(self.workers)
         failed_at: float | None = None  # a rank here failed (reported): node 0 stops us next
-        while self._monitor.poll(0):  # closes before the start (refused attempts): not news
-            recv_monitor_message(self._monitor)
+        self._events()  # closes before the start (refused attempts): not news
         while not self.stopping.is_set():
             msg = self._poll()
             if isinstance(msg, NodeStop):
@@ -266,8 +293,7 @@ class HeadlessNode:
         if now >= self._next_beat:
             send(self.sock, Heartbeat())
             self._next_beat = now + HEARTBEAT_S
-        if self._monitor.poll(0):
-            recv_monitor_message(self._monitor)
+        if zmq.EVENT_DISCONNECTED in self._events():
             self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
         if now - self._last_heard <= self._silent_limit:
             return False
