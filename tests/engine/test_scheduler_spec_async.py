@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from test_scheduler import check_invariants, req
+from test_scheduler import req
+from test_scheduler_async import drive_async
 
 from shardserve.config import SchedulerConfig
 from shardserve.config.speculative import SpeculativeConfig
@@ -110,26 +110,6 @@ def _scheduler(num_blocks: int, max_model_len: int, **sched: object) -> Schedule
                      speculative_config=spec)
 
 
-def _drive(s: Scheduler, w: SpecWorker, depth: int) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    queue: deque = deque()
-    for _ in range(5000):
-        if not (s.has_unfinished_requests() or queue):
-            return out
-        if len(queue) < depth and s.has_unfinished_requests():
-            so = s.schedule()
-            check_invariants(s, so)
-            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
-                queue.append((so, w.execute(so)))
-                if len(queue) < depth:
-                    continue
-        if queue:
-            so, result = queue.popleft()
-            for o in s.update_from_output(so, result):
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    raise AssertionError("no end: no progress")
-
-
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 @pytest.mark.parametrize("num_blocks", [200, 14], ids=["roomy", "preempting"])
 def test_outputs_whatever_the_drafts_accept(depth, num_blocks):
@@ -140,7 +120,7 @@ def test_outputs_whatever_the_drafts_accept(depth, num_blocks):
     prompts = {rid: rng.randrange(1, 24) for rid in limits}
     for rid, n in limits.items():
         s.add_request(req(rid, prompts[rid], max_tokens=n))
-    out = _drive(s, w, depth)
+    out = drive_async(s, w, depth, max_steps=2500).tokens
     # max_tokens, or the model's length (48 tokens) first.
     assert out == {rid: [target(rid, i) for i in range(min(n, 48 - prompts[rid]))]
                    for rid, n in limits.items()}
