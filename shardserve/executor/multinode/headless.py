@@ -139,6 +139,16 @@ class HeadlessNode:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._silent_limit = MASTER_SILENT_S
 
+    def _send(self, message: object) -> bool:
+        """Queue a message for node 0; False where the socket has no connection to queue it
+        on (its handshake was refused and libzmq dropped it: the agent once died here of
+        zmq.Again). Node 0 then hears nothing, which its bounds and ours already handle."""
+        try:
+            send(self.sock, message)
+            return True
+        except zmq.Again:
+            return False
+
     def _events(self) -> list[int]:
         """The monitor's events since the last look, in order."""
         events = []
@@ -206,7 +216,8 @@ class HeadlessNode:
         refused_at: float | None = None
         while time.monotonic() < deadline and not self.stopping.is_set():
             if time.monotonic() >= next_hello:
-                send(self.sock, hello)
+                if not self._send(hello):  # no connection to queue it on: refused (below)
+                    refused_at = refused_at or time.monotonic()
                 next_hello = time.monotonic() + 1.0
             for event in self._events():
                 if event & _HANDSHAKE_FAILED:
@@ -284,14 +295,14 @@ class HeadlessNode:
         logger.info("node %d: node 0 asked us to stop (%s)", self.pc.multinode.node_rank,
                     msg.reason)
         self._stop_workers(_STOP_GRACE_S)
-        send(self.sock, NodeBye())  # after the workers: node 0 waits for it to close the link
+        self._send(NodeBye())  # after the workers: node 0 waits for it to close the link
         return 0 if msg.final else AGAIN
 
     def _node_0_gone(self, now: float) -> bool:
         """Send our heartbeat when due; is node 0 silent past its limit (which a closed
         connection shortens)?"""
         if now >= self._next_beat:
-            send(self.sock, Heartbeat())
+            self._send(Heartbeat())
             self._next_beat = now + HEARTBEAT_S
         if zmq.EVENT_DISCONNECTED in self._events():
             self._silent_limit = min(self._silent_limit, now - self._last_heard + 2.0)
@@ -327,13 +338,13 @@ class HeadlessNode:
                 still.append(h)
         if not still:
             handles = {h.rank: h.reply_handle for h in self.workers}
-            send(self.sock, NodeReady(handles))
+            self._send(NodeReady(handles))
             logger.info("node %d: ranks %s ready", self.pc.multinode.node_rank, sorted(handles))
         return still
 
     def _report(self, reason: str) -> None:
         logger.error("%s", reason)
         try:
-            send(self.sock, NodeFailed(reason))
+            self._send(NodeFailed(reason))
         except zmq.ZMQError:
             pass
