@@ -27,6 +27,7 @@ from shardserve.engine.config_builder import engine_config_from_kwargs
 from shardserve.executor.multinode.secret import (
     cluster_secret,
     headless_secret,
+    link_keys,
     with_cluster_secret,
 )
 from tests.conftest import our_segments
@@ -152,3 +153,51 @@ def test_a_node_joins_with_the_printed_secret_and_exits_when_node_0_dies(
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert gone_within(lambda: set(our_segments()) - segments_before, 10), our_segments()
+
+
+def test_an_agent_refused_once_connects_to_the_next_listener(four_layer_model, cluster_env):
+    """A restarted replica's predecessor can refuse a waiting agent in the moment between its
+    domain's release and its port's close. libzmq never retries a refused handshake, and the
+    agent once died there of zmq.Again (a hello with no connection to queue on): now it opens a
+    fresh connection and says hello to the listener that follows on the same port."""
+    import pickle
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from shardserve.executor.multinode.messages import NodeHello
+    from shardserve.ipc.curve_auth import release, secure_server
+
+    keys = link_keys(SECRET)
+    port = free_port()
+    refusing = zmq.Context.instance().socket(zmq.ROUTER)
+    secure_server(refusing, keys, "test-refusing-predecessor")
+    release("test-refusing-predecessor")  # its domain released, its port still open
+    monitor = refusing.get_monitor_socket()
+    refusing.bind(f"tcp://127.0.0.1:{port}")
+    node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "2", env=cluster_env)
+    listener = None
+    try:
+        events = []
+        while zmq.EVENT_HANDSHAKE_FAILED_AUTH not in events:
+            assert monitor.poll(HANG_S * 1000), f"the agent was not refused: {events}"
+            events.append(recv_monitor_message(monitor)["event"])
+        refusing.disable_monitor()
+        monitor.close(linger=0)
+        refusing.close(linger=0)
+        listener = zmq.Context.instance().socket(zmq.ROUTER)
+        secure_server(listener, keys, "test-next-listener")
+        for _ in range(100):  # the closed socket's port is released by zmq's I/O thread
+            try:
+                listener.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        assert listener.poll(HANG_S * 1000), node1.finish(timeout=5)[1]
+        assert isinstance(pickle.loads(listener.recv_multipart()[-1]), NodeHello)
+    finally:
+        node1.kill_tree()
+        node1.finish()
+        if listener is not None:
+            listener.close(linger=0)
+            release("test-next-listener")
