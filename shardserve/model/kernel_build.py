@@ -8,17 +8,23 @@ another CPU gets its own library. Each source compiles to an object of its own, 
 once as the machine has cores, then one link: a fresh build takes about its longest file's
 time on as many cores as files, and the first compile error stops the rest (a broken source
 fails in its own file's seconds, not the whole build's). The library is linked in a temporary
-folder and renamed into place, so processes building at once never load a half-written file.
+folder and renamed into place, so a process never loads a half-written file; and one process
+builds a library at a time (a lock file beside it), the others wait and load it: the workers
+of one engine, or a test suite's processes, starting together on a fresh machine used to
+build the same library each.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardserve import envs
@@ -77,8 +83,34 @@ def build(arch_flags: tuple[str, ...], source: Path, cache_dir: Path | None) -> 
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cache / f".{target.stem}.lock"):
+        if not target.exists():  # else built while we waited
+            _build_into(target, compiler, flags, sources)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Hold the library's build lock (released by the kernel if its holder dies); waiting is
+    bounded by a build's own bound."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S + 10.0
+    with open(path, "w") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another process held {path} past the build's "
+                                       f"{BUILD_TIMEOUT_S:.0f} s bound") from None
+                time.sleep(_POLL_S * 5)
+        yield
+
+
+def _build_into(target: Path, compiler: str, flags: tuple[str, ...],
+                sources: tuple[Path, ...]) -> None:
     deadline = time.monotonic() + BUILD_TIMEOUT_S
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=cache) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
         folder = Path(tmp)
         objects = [folder / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
         # -I is not in the key: the headers' bytes are, wherever they lie.
@@ -87,8 +119,7 @@ def build(arch_flags: tuple[str, ...], source: Path, cache_dir: Path | None) -> 
         _run_all(commands, folder, deadline)
         linked = folder / "cpu_kernels.so"
         _run_all([[compiler, *flags, *map(str, objects), "-o", str(linked)]], folder, deadline)
-        os.replace(linked, target)  # atomic: a concurrent builder replaces it with the same bytes
-    return target
+        os.replace(linked, target)  # atomic: readers see the whole library or none
 
 
 def _run_all(commands: list[list[str]], folder: Path, deadline: float) -> None:

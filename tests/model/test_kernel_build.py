@@ -41,3 +41,27 @@ def test_the_header_is_included_by_every_source() -> None:
         assert f'#include "{via.name}"' in text, path.name
         assert f'#include "{kb.HEADER.name}"' in kb.QUANT_HEADER.read_text()
         assert "static inline float bf16_to_f32" not in text, path.name
+
+
+_BUILD_AND_REPORT = """
+import resource, sys
+from pathlib import Path
+from shardserve.model import native_kernels as nk
+path = nk.kernel_build.build(nk.PORTABLE_ARCH, nk.SOURCE, Path(sys.argv[1]))
+print(path, resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime)
+"""
+
+
+def test_processes_starting_together_build_a_library_once(tmp_path: Path) -> None:
+    """Two processes asking for the same library on a fresh cache: one compiles, the other
+    waits for it and loads the same file (its compilers' CPU time: only `gcc --version`)."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_AND_REPORT, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=kb.BUILD_TIMEOUT_S * 2)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0][0] == outs[1][0]  # the same library
+    compile_s = sorted(float(out[1]) for out in outs)
+    assert compile_s[0] < 1.0 < compile_s[1], compile_s
