@@ -57,6 +57,9 @@ def test_headless_node_refuses_without_the_secret_or_a_matching_node_0(four_laye
     # Node 0 runs TP=2 over 2 nodes; this node was started for TP=4: node 0 refuses it.
     node1 = Headless(port, str(four_layer_model), "--tensor-parallel-size", "4",
                      "--worker-start-timeout-s", "30", env=cluster_env)
+    # Node 0 waits 5 s only: the agent must be saying hello first (a loaded machine once took
+    # longer than that to start it; it then waited for node 0 past finish()'s bound).
+    node1.wait_for_line("waiting for node 0")
     with pytest.raises(Exception, match="did not connect"):
         LLM(str(four_layer_model), tensor_parallel_size=2, nnodes=2, master_port=port,
             worker_start_timeout_s=5)
