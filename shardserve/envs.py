@@ -47,6 +47,14 @@ def rpc_stall_warning_s() -> float:
     return _get_float("SHARDSERVE_RPC_STALL_WARNING_S", 60.0)
 
 
+def node_silent_s() -> float:
+    """SHARDSERVE_NODE_SILENT_S: how long node 0 waits without a word from a ready headless node
+    before it declares the node dead (2.5); a headless node gives up on node 0 after twice this.
+    A node that dies is seen at once (its connection closes); this bound is for a hung agent or
+    a cut network, and for machines so loaded that a 2.5-s stall is normal (the suite's nodes)."""
+    return _get_float("SHARDSERVE_NODE_SILENT_S", 2.5)
+
+
 # --- shardserve/ipc (MessageQueue) ---------------------------------------------------------------
 
 

@@ -25,11 +25,16 @@ SECRET = "multinode-test-secret"
 
 
 def cluster_environment(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The secret, one torch thread a process (two "machines" share 2 cores), and this folder
-    on node 1's path: its workers unpickle the functions of these modules that collective_rpc
-    sends (by reference). Returns the environment for node 1's command."""
+    """The secret, one torch thread a process (two "machines" share 2 cores), a wider silence
+    bound, and this folder on node 1's path: its workers unpickle the functions of these
+    modules that collective_rpc sends (by reference). Returns the environment for node 1's
+    command."""
     monkeypatch.setenv("SHARDSERVE_CLUSTER_SECRET", SECRET)
     monkeypatch.setenv("SHARDSERVE_NUM_THREADS", "1")
+    # A "node" shares 2 cores with the rest of the suite: once, at the suite's busiest start, a
+    # ready agent's heartbeats went unheard for 2.5 s and node 0 declared it dead. A node that
+    # dies is seen by its closed connection, at once, whatever this bound.
+    monkeypatch.setenv("SHARDSERVE_NODE_SILENT_S", "10")
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get(
         "PYTHONPATH")])))

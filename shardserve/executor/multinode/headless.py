@@ -8,7 +8,7 @@
     2. start this node's ranks (worker_process.start_workers: the same worker processes as on
        node 0, replying over TCP) and report NodeReady with their reply-queue handles;
     3. watch: heartbeats both ways; a worker that dies is reported (NodeFailed); node 0 silent
-       for MASTER_SILENT_S (2 s once its connection closed) ends the replica's life here; so
+       for master_silent_s() (2 s once its connection closed) ends the replica's life here; so
        does NodeStop, after the workers exit (NodeBye).
     4. after the end of one life of the replica (its engine core on node 0 failed, was stopped
        or vanished): if node 0 restarts dead replicas (its config's max_engine_restarts > 0,
@@ -42,7 +42,6 @@ from shardserve.config import ParallelConfig
 from shardserve.errors import WorkerStartupError
 from shardserve.executor.multinode.messages import (
     HEARTBEAT_S,
-    MASTER_SILENT_S,
     Heartbeat,
     NodeBye,
     NodeFailed,
@@ -50,6 +49,7 @@ from shardserve.executor.multinode.messages import (
     NodeReady,
     NodeStart,
     NodeStop,
+    master_silent_s,
 )
 from shardserve.executor.multinode.secret import headless_secret, link_keys
 from shardserve.executor.multinode.sockets import POLL_MS, client_socket, link_port, send
@@ -137,7 +137,7 @@ class HeadlessNode:
         # (not a slow network) is gone.
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
-        self._silent_limit = MASTER_SILENT_S
+        self._silent_limit = master_silent_s()
 
     def _send(self, message: object) -> bool:
         """Queue a message for node 0; False where the socket has no connection to queue it
@@ -311,7 +311,7 @@ class HeadlessNode:
         logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this node's "
                      "workers", self.pc.multinode.master_addr, link_port(self.pc, self.replica),
                      now - self._last_heard, ", its connection closed"
-                     if self._silent_limit < MASTER_SILENT_S else "")
+                     if self._silent_limit < master_silent_s() else "")
         return True
 
     def _failed_worker(self) -> WorkerHandle | None:

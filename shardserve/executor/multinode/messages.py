@@ -11,8 +11,8 @@ One authenticated ZMQ connection per headless node and replica, node 0 listening
               init_method, ranks)             ──▶ starts its ranks' worker processes
                                   ◀── NodeReady({rank: reply-queue handle}) | NodeFailed(why)
     Heartbeat every HEARTBEAT_S               ◀─▶ Heartbeat every HEARTBEAT_S
-      its connection closed (socket monitor,      node 0 silent MASTER_SILENT_S (2 s once the
-      matched by fd), or silent NODE_SILENT_S     connection closed) → stop workers; hello
+      its connection closed (socket monitor,      node 0 silent master_silent_s() (2 s once the
+      matched by fd), or silent node_silent_s()   connection closed) → stop workers; hello
       once ready → node dead (EngineDeadError,    again on a new connection if node 0
       naming the node; a front end that restarts  restarts replicas (NodeStart's config),
       replicas starts the engine core again,      else exit 1
@@ -38,12 +38,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.ipc import Handle
 
 HEARTBEAT_S = 0.2
-NODE_SILENT_S = 2.5  # node 0 declares a ready headless node dead after this long without a word
-MASTER_SILENT_S = 5.0  # a headless node gives up on node 0 after this long
+
+
+def node_silent_s() -> float:
+    """Node 0 declares a ready headless node dead after this long without a word (2.5 s)."""
+    return envs.node_silent_s()
+
+
+def master_silent_s() -> float:
+    """A headless node gives up on node 0 after this long (5 s): node 0 judges first."""
+    return 2 * envs.node_silent_s()
+
 
 
 @dataclass(frozen=True)

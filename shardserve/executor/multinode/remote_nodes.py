@@ -18,7 +18,6 @@ from shardserve.config import EngineConfig, ParallelConfig
 from shardserve.errors import WorkerStartupError
 from shardserve.executor.multinode.messages import (
     HEARTBEAT_S,
-    NODE_SILENT_S,
     Heartbeat,
     NodeBye,
     NodeFailed,
@@ -26,6 +25,7 @@ from shardserve.executor.multinode.messages import (
     NodeReady,
     NodeStart,
     NodeStop,
+    node_silent_s,
 )
 from shardserve.executor.multinode.secret import link_keys
 from shardserve.executor.multinode.sockets import POLL_MS, link_port, recv_routed, send
@@ -33,6 +33,7 @@ from shardserve.ipc import Handle
 from shardserve.ipc.curve_auth import release, secure_server
 
 logger = logging.getLogger(__name__)
+_DRAIN_MAX = 256  # messages read per turn of the watch loop (strangers cannot flood it)
 
 
 @dataclass
@@ -190,10 +191,11 @@ class RemoteNodes:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        silent_s = node_silent_s()
         while not self._stop.is_set():
             events = dict(poller.poll(POLL_MS))
             if self._sock in events:
-                self._handle(*recv_routed(self._sock))
+                self._drain_socket()
             if self._monitor in events:
                 self._drain_monitor()
             now = time.monotonic()
@@ -204,8 +206,17 @@ class RemoteNodes:
                 next_beat = now + HEARTBEAT_S
             for node in self.nodes.values():
                 # Not before it is ready: its agent says nothing while it starts processes.
-                if not node.gone and node.ready and now - node.last_seen > NODE_SILENT_S:
-                    self._lose(node, f"stopped answering for {NODE_SILENT_S} s")
+                if not node.gone and node.ready and now - node.last_seen > silent_s:
+                    self._lose(node, f"stopped answering for {silent_s} s")
+
+    def _drain_socket(self) -> None:
+        """Every message already queued (a bounded number), before any silence is judged: a
+        watch thread that was itself held up would else judge a node by the one message it
+        read while the node's heartbeats wait behind it."""
+        for _ in range(_DRAIN_MAX):
+            self._handle(*recv_routed(self._sock))
+            if not self._sock.poll(0):
+                return
 
     def _drain_monitor(self) -> None:
         """A closed connection: the node whose connection it was is gone (a stranger's, or a
