@@ -64,19 +64,19 @@ _CHAT_TEMPLATE = (
 )
 
 
-# The longest files of a two-worker run (measured, longest first) go first: pytest-xdist hands a
-# worker its next file once it has two tests left, so a long file handed out last would keep
+# The longest files of `make test` (measured, slow tests left out) go first: pytest-xdist hands
+# a worker its next file once it has two tests left, so a long file handed out last would keep
 # one worker busy while the other idles (the Makefile's --no-loadscope-reorder keeps this order;
 # xdist's own puts the files with the most tests first). Others keep their collection order.
 LONGEST_FILES = (
-    "executor/test_multinode.py", "entrypoints/server/test_server_faults.py",
-    "executor/test_external_launcher.py", "executor/test_pipeline.py",
-    "executor/test_context_parallel_chunked.py", "executor/test_multinode_recovery.py",
-    "executor/test_context_parallel_mp.py", "entrypoints/server/test_server_recovery.py",
-    "entrypoints/test_cli.py", "entrypoints/server/test_server_limits.py",
-    "ipc/test_message_queue.py", "entrypoints/test_llm_beam_search.py",
-    "model/test_native_kernels.py", "model/test_quantized_model.py",
-    "engine/test_structured_outputs.py", "executor/test_multinode_secret.py",
+    "entrypoints/server/test_server_faults.py", "executor/test_multinode.py",
+    "executor/test_external_launcher.py", "engine/test_spec_decode.py",
+    "executor/test_multinode_recovery.py", "entrypoints/server/test_server_recovery.py",
+    "ipc/test_message_queue.py", "model/test_quantized_model.py",
+    "engine/test_spec_decode_sampling.py", "engine/test_core_start_method.py",
+    "entrypoints/server/test_server_limits.py", "entrypoints/test_llm_lora.py",
+    "entrypoints/server/test_server_admission.py", "executor/test_multiproc_faults.py",
+    "entrypoints/server/test_server_scale.py", "executor/test_multinode_secret.py",
 )
 
 

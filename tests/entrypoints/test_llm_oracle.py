@@ -54,7 +54,7 @@ def test_tiny_random_models_match_hf(fixture, request):
         llm.shutdown()
 
 
-@pytest.mark.slow
+# Not marked slow: `make test` keeps the default model against HF on uni (Makefile).
 def test_default_model_matches_hf_generate(hf_default_greedy):
     """uni, the default options: 32 greedy tokens on each oracle prompt equal HF generate's."""
     llm = LLM(dtype="float32", max_model_len=512)
