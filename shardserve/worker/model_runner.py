@@ -175,8 +175,9 @@ class ModelRunner:
     # ---- one step ----
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids | so.preempted_req_ids:
-            if self.requests.pop(rid, None) is not None and self.drafter is not None:
-                self.drafter.finish(rid)
+            state = self.requests.pop(rid, None)
+            if state is not None and self.drafter is not None:
+                self.drafter.finish(rid, state.sampling.output_token_ids)
             self.pooler.drop(rid)
         for new in so.scheduled_new_reqs:
             if self.drafter is not None:

@@ -115,22 +115,25 @@ class Drafter:
         self.proposer.start(req_id, prompt_token_ids)
         self._tokens[req_id] = _Tokens(prompt_token_ids)
 
-    def finish(self, req_id: str) -> None:
+    def finish(self, req_id: str, output_token_ids: list[int] | None = None) -> None:
+        """Forget the request. A proposer that learns from every token (the suffix index)
+        first takes the output it did not see (steps above the batch limit, where it was not
+        called), so that the whole output reaches its global store."""
+        tokens = self._tokens.pop(req_id, None)
+        if tokens is not None and output_token_ids and self.proposer.learns_from_every_token:
+            self.proposer.propose(req_id, tokens.sync(output_token_ids, []), 0)
         self.proposer.finish(req_id)
-        self._tokens.pop(req_id, None)
 
     def propose(self, states: Sequence[tuple[str, RequestSamplingState, list[int]]],
                 num_running: int) -> dict[str, list[int]]:
         """Drafts for each (request, its sampling state, tokens emitted this step that the
         state does not hold yet), capped so that every draft plus the bonus token stays within
         max_model_len and max_tokens. None at all above the batch limit. A proposer that
-        learns from every token (the suffix index) sees them also where it may propose none
-        (k = 0), so a finished request's whole output reaches its global store."""
+        learns from every token (the suffix index) takes the tokens it missed at its next call
+        (or at finish): above the limit a step costs it nothing."""
         from shardserve.worker.spec_decode.ngram import cap_draft_len
 
-        learns = self.proposer.learns_from_every_token
-        over_limit = num_running > self.max_batch
-        if over_limit and not learns:
+        if num_running > self.max_batch:
             return {}
         drafts: dict[str, list[int]] = {}
         for req_id, state, extra in states:
@@ -139,8 +142,8 @@ class Drafter:
             tokens = self._tokens[req_id].sync(state.output_token_ids, extra)
             num_output = len(state.output_token_ids) + len(extra)
             max_tokens = state.params.max_tokens or 1 << 30
-            k = 0 if over_limit else cap_draft_len(self.k, len(tokens), self.max_model_len,
-                                                   max_tokens - num_output)
+            k = cap_draft_len(self.k, len(tokens), self.max_model_len, max_tokens - num_output)
+            learns = self.proposer.learns_from_every_token
             draft = self.proposer.propose(req_id, tokens, k) if k > 0 or learns else []
             if draft:
                 drafts[req_id] = list(draft[:k])

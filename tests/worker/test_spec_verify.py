@@ -41,8 +41,9 @@ def test_caps_and_batch_limit():
 
 
 def test_the_suffix_index_sees_tokens_of_steps_it_proposed_nothing_for():
-    """Above the batch limit nothing is proposed, but the suffix index still takes every
-    token: a finished request's whole output reaches the global store for later requests."""
+    """Above the batch limit nothing is proposed and the suffix index is not called; it takes
+    the tokens it missed at finish: a finished request's whole output reaches the global store
+    for later requests."""
     suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=4,
                                max_batch_for_speculation=2)
     drafter = Drafter(suffix, max_model_len=512)
@@ -51,7 +52,21 @@ def test_the_suffix_index_sees_tokens_of_steps_it_proposed_nothing_for():
     for token in (5, 6, 7, 8, 9):
         state.output_token_ids.append(token)
         assert drafter.propose([("a", state, [])], 3) == {}  # 3 running > 2
-    drafter.finish("a")
+    assert drafter.proposer._requests["a"][0].size == 2  # not called: the prompt only
+    drafter.finish("a", state.output_token_ids)
     later = RequestSamplingState(SamplingParams(max_tokens=50), [5, 6, 7], [])
     drafter.start("b", later.prompt_token_ids)
     assert drafter.propose([("b", later, [])], 1) == {"b": [8, 9]}
+
+
+def test_the_suffix_index_catches_up_at_its_next_proposal():
+    """Steps above the batch limit skipped, the next proposal below it sees every token."""
+    suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=4,
+                               max_batch_for_speculation=2)
+    drafter = Drafter(suffix, max_model_len=512)
+    state = RequestSamplingState(SamplingParams(max_tokens=50), [1, 2, 3, 4], [])
+    drafter.start("a", state.prompt_token_ids)
+    for token in (1, 2, 3, 4, 1, 2):
+        state.output_token_ids.append(token)
+        assert drafter.propose([("a", state, [])], 3) == {}
+    assert drafter.propose([("a", state, [])], 1) == {"a": [3, 4, 1, 2]}
