@@ -127,7 +127,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The default model through mp layouts is `make test-slow`'s (Makefile); uni stays in make test.
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=pytest.mark.slow) if name.startswith("mp-") else name
+    for name in LAYOUTS])
 def test_greedy_identical_on_every_layout(reference, layout):
     """The same cases on the default model through the other layouts and the suffix method:
     the outputs of the synchronous engine without drafts."""
