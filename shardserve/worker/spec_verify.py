@@ -135,6 +135,7 @@ class Drafter:
 
         if num_running > self.max_batch:
             return {}
+        learns = self.proposer.learns_from_every_token
         drafts: dict[str, list[int]] = {}
         for req_id, state, extra in states:
             if req_id not in self._tokens:
@@ -143,7 +144,6 @@ class Drafter:
             num_output = len(state.output_token_ids) + len(extra)
             max_tokens = state.params.max_tokens or 1 << 30
             k = cap_draft_len(self.k, len(tokens), self.max_model_len, max_tokens - num_output)
-            learns = self.proposer.learns_from_every_token
             draft = self.proposer.propose(req_id, tokens, k) if k > 0 or learns else []
             if draft:
                 drafts[req_id] = list(draft[:k])

@@ -137,7 +137,8 @@ class HeadlessNode:
         # (not a slow network) is gone.
         self._monitor = self.sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
-        self._silent_limit = master_silent_s()
+        self._master_silent_s = master_silent_s()  # read once: the limit a closed link shortens
+        self._silent_limit = self._master_silent_s
 
     def _send(self, message: object) -> bool:
         """Queue a message for node 0; False where the socket has no connection to queue it
@@ -311,7 +312,7 @@ class HeadlessNode:
         logger.error("node 0 (%s:%d) is gone (silent for %.1f s%s); stopping this node's "
                      "workers", self.pc.multinode.master_addr, link_port(self.pc, self.replica),
                      now - self._last_heard, ", its connection closed"
-                     if self._silent_limit < master_silent_s() else "")
+                     if self._silent_limit < self._master_silent_s else "")
         return True
 
     def _failed_worker(self) -> WorkerHandle | None:

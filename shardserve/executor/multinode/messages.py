@@ -55,7 +55,6 @@ def master_silent_s() -> float:
     return 2 * envs.node_silent_s()
 
 
-
 @dataclass(frozen=True)
 class NodeHello:
     """Headless → node 0, once a second until NodeStart or NodeStop: what it was started as."""
