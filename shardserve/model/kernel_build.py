@@ -36,6 +36,8 @@ SOURCE = _CSRC / "cpu_kernels.c"
 QUANT_SOURCE = _CSRC / "quant_kernels.c"
 # And their SIMD row kernels for small batches (the batch-1 decode step's products).
 ROWS_SOURCE = _CSRC / "quant_rows.c"
+# And their AVX2 build's own for Q4_0 / Q4_1 / Q8_0 (integer sums per group of 8 blocks).
+ROWS_AVX2_SOURCE = _CSRC / "quant_rows_avx2.c"
 # And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
 TILES_SOURCE = _CSRC / "quant_tiles.c"
 # And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
@@ -52,8 +54,8 @@ LORA_SOURCE = _CSRC / "lora_kernels.c"
 # And context-parallel attention: partials with log-sum-exp and their merge (context_parallel.py).
 CP_SOURCE = _CSRC / "cp_attention.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
-LINKED_SOURCES = (QUANT_SOURCE, ROWS_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE, RETILE_SOURCE,
-                  GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
+LINKED_SOURCES = (QUANT_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
+                  RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.

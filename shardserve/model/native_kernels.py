@@ -94,8 +94,8 @@ def build_library(
 
     Raises RuntimeError (with the compiler's output) where the build fails. `source` and
     `cache_dir` default to csrc/cpu_kernels.c and SHARDSERVE_CACHE_DIR; tests pass others.
-    csrc/quant_kernels.c, quant_rows.c, quant_gemm.c, quant_decode.c, decode_layers.c,
-    lora_kernels.c and cp_attention.c are always compiled in beside `source`."""
+    The other sources (kernel_build.LINKED_SOURCES: the quantized products, the fused decode
+    step, LoRA, context-parallel attention) are always compiled in beside `source`."""
     lib = ctypes.CDLL(str(kernel_build.build(arch_flags, source or SOURCE, cache_dir)))
     _declare(lib)
     lib.arch_flags = arch_flags  # isa_report names the level by them

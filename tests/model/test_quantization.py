@@ -88,6 +88,20 @@ def test_integer_path_is_exact_where_int16_holds_x(kernels, ggml_type, rows):
     assert rel_err(got, x.double() @ reference(w).double().T) < 1e-5
 
 
+@pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [32, 96, 288, 576])  # blocks past the groups of 8: 1, 3, 1, 2
+def test_integer_path_every_row_count_and_row_tail(kernels, ggml_type, cols):
+    """The AVX2 rows sum blocks in groups of 8 and the rest one by one; 1-8 rows of x each take
+    a kernel of their own (9 rows: a pass of 8 and one of 1)."""
+    w = random_blocks(ggml_type, 24, cols, seed=cols + ggml_type)
+    want_w = reference(w).double()
+    for rows in range(1, 10):
+        x = int16_exact_x(rows, cols, seed=rows)
+        out = torch.empty(rows, 24)
+        q.matmul_into(out, x, w)
+        assert rel_err(out, x.double() @ want_w.T) < 1e-5, rows
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 3, 6, 9, 33])  # either side of every rows_max
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

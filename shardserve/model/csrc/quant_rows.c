@@ -233,34 +233,6 @@ ALWAYS_INLINE void fused_row(
     for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + macc[i];
 }
 
-/*
- * Each (type, rows of x) pair is a function of its own over a range of weight rows, picked from
- * a table: in one function the eight row counts' loops made the compiler allocate registers
- * for all of them (batch 1 ran ~40% slower when the cases went from 4 to 8).
- */
-typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t b0,
-                        int64_t n0, int64_t n1, int64_t K, void *out, int64_t out_stride,
-                        int out_dtype);
-
-#define ROWS_FN(KERNEL, T, NB)                                                           \
-    static void KERNEL##_##T##_##NB(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, \
-                                    int64_t b0, int64_t n0, int64_t n1, int64_t K, void *out, \
-                                    int64_t out_stride, int out_dtype) {                  \
-        for (int64_t n = n0; n < n1; n++) {                                               \
-            float res[NB];                                                                \
-            KERNEL(T, NB, w + n * row_bytes, xq, b0, K, res);                             \
-            for (int i = 0; i < NB; i++)                                                  \
-                store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);             \
-        }                                                                                 \
-    }
-#define ROWS_FNS(KERNEL, T)                                                              \
-    ROWS_FN(KERNEL, T, 1) ROWS_FN(KERNEL, T, 2) ROWS_FN(KERNEL, T, 3) ROWS_FN(KERNEL, T, 4) \
-    ROWS_FN(KERNEL, T, 5) ROWS_FN(KERNEL, T, 6) ROWS_FN(KERNEL, T, 7) ROWS_FN(KERNEL, T, 8)
-#define ROWS_TABLE(KERNEL, T) ROWS_TABLE_(KERNEL, T) /* T expanded first, as in ROWS_FNS */
-#define ROWS_TABLE_(KERNEL, T)                                                           \
-    {KERNEL##_##T##_1, KERNEL##_##T##_2, KERNEL##_##T##_3, KERNEL##_##T##_4,              \
-     KERNEL##_##T##_5, KERNEL##_##T##_6, KERNEL##_##T##_7, KERNEL##_##T##_8}
-
 ROWS_FNS(fused_row, T_Q4_0)
 ROWS_FNS(fused_row, T_Q4_1)
 ROWS_FNS(fused_row, T_Q8_0)
@@ -380,7 +352,8 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
         fns = r_fns(type);
 #endif
     } else {
-        fns = fused_fns(type);
+        fns = avx2_row_fns(type); /* NULL on AVX-512 builds and for the K-quants */
+        if (fns == NULL) fns = fused_fns(type);
     }
     if (fns == NULL) return 0;
     run_rows(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);

@@ -1,0 +1,147 @@
+/*
+ * The AVX2 row kernels for Q4_0, Q4_1 and Q8_0 (builds without AVX-512; quant_rows.c takes the
+ * other types, and these types on AVX-512): out = x @ W^T for up to 8 rows of x quantized to
+ * int16 per 32 (quant_kernels.c), the weight blocks read as the file has them.
+ *
+ * Why not quant_rows.c's fused_row: per block of 32 it converts the block's scales one by one
+ * (scalar half -> float, a multiply by x's scale, a broadcast) and converts its two products to
+ * float for an FMA of their own: ~30 instructions per 32 weights, where the integer products
+ * themselves are six. Here a group of 8 blocks keeps its products in integers:
+ *
+ *   block t of the group:  w (32 x int16)  = widen(the 16 nibble bytes): low | high nibbles
+ *                          p_t (8 x int32) = vpmaddwd(w_lo, x[0:16]) + vpmaddwd(w_hi, x[16:32])
+ *   per group:             s = [sum p_0, ..., sum p_7]     (a vphaddd tree, 8 instructions)
+ *                          d, m of the 8 blocks: one gather of their first 4 bytes, 2 F16C
+ *                          acc  += float(s) * (d * x.d)     macc += m * x.xs32
+ *
+ * ~9 instructions per 32 weights for one row of x; more rows share the widened weights. The
+ * blocks past the last whole group (K = 576 has 18: two left) take the per-block float step.
+ * The integer sums are exact (|w| <= 128, |x| <= 32767: 32 products fit an int32), so these
+ * kernels differ from the portable ones only in the order of the float additions.
+ */
+#include "quant_blocks.h"
+
+#if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__)
+
+#define GROUP 8
+
+/* 8 vectors of 8 int32 -> [sum v[0], ..., sum v[7]]. */
+ALWAYS_INLINE __m256i sum8x8(const __m256i *v) {
+    const __m256i q0 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i q1 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* q0 = [v0..v3 low-lane sums | v0..v3 high-lane sums], q1 the same for v4..v7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x21),
+                            _mm256_blend_epi32(q0, q1, 0xF0));
+}
+
+/* The 32 weights of block `blk` as int16: lo = elements 0..15, hi = 16..31 (a Q4 byte holds
+ * element l in its low nibble and l + 16 in its high one). */
+ALWAYS_INLINE void block_values(int TYPE, const uint8_t *blk, __m256i *lo, __m256i *hi) {
+    if (TYPE == T_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        return;
+    }
+    const __m256i b = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2))));
+    *lo = _mm256_and_si256(b, _mm256_set1_epi16(0xF));
+    *hi = _mm256_srli_epi16(b, 4);
+}
+
+/* d (and Q4_1's m) of the 8 blocks from `first`, `bytes` apart, as floats. */
+ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m256 *d, __m256 *m) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(bytes));
+    const __m256i dm = _mm256_i32gather_epi32((const int *)first, idx, 1);
+    /* per 128-bit lane: the four d halves, then the four m halves; then d's, m's together */
+    const __m256i split = _mm256_shuffle_epi8(
+        dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i both = _mm256_permute4x64_epi64(split, 0xD8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
+    *m = TYPE == T_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1))
+                        : _mm256_mul_ps(*d, _mm256_set1_ps(-8.f));
+}
+
+/* Blocks g0 .. g0 + 7 of the row, for NB rows of x. */
+ALWAYS_INLINE void group(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
+                         int64_t K, int64_t g0, __m256 *acc, __m256 *macc) {
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
+    const int64_t nsub = K / 32;
+    __m256i p[FUSED_MAX_B][GROUP];
+    for (int t = 0; t < GROUP; t++) {
+        __m256i lo, hi;
+        block_values(TYPE, row + (g0 + t) * bytes, &lo, &hi);
+        for (int i = 0; i < NB; i++) {
+            const int16_t *x = xq->q + (b0 + i) * K + 32 * (g0 + t);
+            p[i][t] = _mm256_add_epi32(
+                _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        }
+    }
+    __m256 d, m;
+    group_scales(TYPE, row + g0 * bytes, bytes, &d, &m);
+    for (int i = 0; i < NB; i++) {
+        const int64_t o = (b0 + i) * nsub + g0;
+        const __m256 sd = _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + o));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p[i])), sd, acc[i]);
+        if (TYPE != T_Q8_0) macc[i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xq->xs32 + o), macc[i]);
+    }
+}
+
+/* Block `sub` alone (a row's last K / 32 % 8): its product to float, its scale a broadcast,
+ * its offset's share a scalar. */
+ALWAYS_INLINE void tail_block(int TYPE, int NB, const uint8_t *row, const xquant_t *xq,
+                              int64_t b0, int64_t K, int64_t sub, __m256 *acc, float *tail) {
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
+    const uint8_t *blk = row + sub * bytes;
+    const float d = half_to_f32(blk);
+    const float m = TYPE == T_Q4_1 ? half_to_f32(blk + 2) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
+    __m256i lo, hi;
+    block_values(TYPE, blk, &lo, &hi);
+    for (int i = 0; i < NB; i++) {
+        const int64_t o = (b0 + i) * (K / 32) + sub;
+        const int16_t *x = xq->q + (b0 + i) * K + 32 * sub;
+        const __m256i p = _mm256_add_epi32(
+            _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xq->d[o]), acc[i]);
+        tail[i] += m * xq->xs32[o];
+    }
+}
+
+ALWAYS_INLINE void avx2_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq,
+                            int64_t b0, int64_t K, float *res) {
+    const int64_t nsub = K / 32;
+    __m256 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
+    for (int i = 0; i < NB; i++) acc[i] = macc[i] = _mm256_setzero_ps();
+    int64_t g0 = 0;
+    for (; g0 + GROUP <= nsub; g0 += GROUP) group(TYPE, NB, row, xq, b0, K, g0, acc, macc);
+    float tail[FUSED_MAX_B] = {0};
+    for (; g0 < nsub; g0++) tail_block(TYPE, NB, row, xq, b0, K, g0, acc, tail);
+    for (int i = 0; i < NB; i++) res[i] = hsum8(_mm256_add_ps(acc[i], macc[i])) + tail[i];
+}
+
+ROWS_FNS(avx2_row, T_Q4_0)
+ROWS_FNS(avx2_row, T_Q4_1)
+ROWS_FNS(avx2_row, T_Q8_0)
+
+const rows_fn *avx2_row_fns(int type) {
+    static const rows_fn q4_0[] = ROWS_TABLE(avx2_row, T_Q4_0);
+    static const rows_fn q4_1[] = ROWS_TABLE(avx2_row, T_Q4_1);
+    static const rows_fn q8_0[] = ROWS_TABLE(avx2_row, T_Q8_0);
+    switch (type) {
+    case T_Q4_0: return q4_0;
+    case T_Q4_1: return q4_1;
+    case T_Q8_0: return q8_0;
+    default: return NULL;
+    }
+}
+#elif QK_SIMD
+const rows_fn *avx2_row_fns(int type) {
+    (void)type;
+    return NULL;
+}
+#endif
