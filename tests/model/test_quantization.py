@@ -89,15 +89,16 @@ def test_integer_path_is_exact_where_int16_holds_x(kernels, ggml_type, rows):
 
 
 @pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("cols", [32, 96, 288, 576])  # blocks past the groups of 8: 1, 3, 1, 2
+@pytest.mark.parametrize("cols", [32, 96, 288, 576, 2080])  # blocks past groups of 8: 1 3 1 2 1
 def test_integer_path_every_row_count_and_row_tail(kernels, ggml_type, cols):
     """The AVX2 rows sum blocks in groups of 8 and the rest one by one; 1-8 rows of x each take
-    a kernel of their own (9 rows: a pass of 8 and one of 1)."""
-    w = random_blocks(ggml_type, 24, cols, seed=cols + ggml_type)
+    a kernel of their own (9 rows: a pass of 8 and one of 1); one row of x takes strips of 8
+    weight rows below K = 2048 (27 rows: tiles of 16 and 11, so strips and 3 single rows)."""
+    w = random_blocks(ggml_type, 27, cols, seed=cols + ggml_type)
     want_w = reference(w).double()
     for rows in range(1, 10):
         x = int16_exact_x(rows, cols, seed=rows)
-        out = torch.empty(rows, 24)
+        out = torch.empty(rows, 27)
         q.matmul_into(out, x, w)
         assert rel_err(out, x.double() @ want_w.T) < 1e-5, rows
 
