@@ -348,8 +348,11 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
     {KERNEL##_##T##_1, KERNEL##_##T##_2, KERNEL##_##T##_3, KERNEL##_##T##_4,              \
      KERNEL##_##T##_5, KERNEL##_##T##_6, KERNEL##_##T##_7, KERNEL##_##T##_8}
 
-/* quant_rows_avx2.c: the AVX2 (no AVX-512) row kernels' table for `type`; NULL where it has none
- * (quant_rows.c's own then take it). */
+/* quant_rows_avx2.c: the AVX2 (no AVX-512) row kernels' table for `type`, and its kernel for one
+ * row of x where only that one is its own; NULL where it has none (quant_rows.c's then take it). */
 const rows_fn *avx2_row_fns(int type);
+rows_fn avx2_one_row_fn(int type);
+/* quant_rows.c: its own row kernels' table for a block type (Q4_0 ... Q6_K); NULL for others. */
+const rows_fn *fused_row_fns(int type);
 
 #endif

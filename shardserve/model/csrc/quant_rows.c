@@ -265,7 +265,7 @@ static void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, co
     }
 }
 
-static const rows_fn *fused_fns(int type) {
+const rows_fn *fused_row_fns(int type) {
     static const rows_fn q4_0[] = ROWS_TABLE(fused_row, T_Q4_0);
     static const rows_fn q4_1[] = ROWS_TABLE(fused_row, T_Q4_1);
     static const rows_fn q8_0[] = ROWS_TABLE(fused_row, T_Q8_0);
@@ -355,13 +355,16 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads) {
     const rows_fn *fns = NULL;
+    const rows_fn one = avx2_one_row_fn(type); /* lives until run_rows returns */
     if (type == T_R4 || type == T_R8) {
 #if QK_REPACK
         fns = r_fns(type);
 #endif
+    } else if (B == 1 && one != NULL) {
+        fns = &one;
     } else {
         fns = avx2_row_fns(type); /* NULL on AVX-512 builds and for the K-quants */
-        if (fns == NULL) fns = fused_fns(type);
+        if (fns == NULL) fns = fused_row_fns(type);
     }
     if (fns == NULL) return 0;
     run_rows(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);

@@ -22,8 +22,8 @@
  * Measured against fused_row (Zen 3, 2 threads, calls alternating in one process, medians of
  * per-round ratios): 1.35-1.52x at 1 row of x, 1.15x at 4 and 8. Q8_0 built the same way gained
  * 1.07x at 1 row and lost 0.73-0.90x at 4-8 (its widened block is 2 registers, its products
- * spill), and the K-quants, whose scales were already vectors, lost 0.6-0.85x: they keep
- * quant_rows.c's kernels.
+ * spill): it takes only the strips below (one row of x), and the K-quants, whose scales were
+ * already vectors, lost 0.6-0.85x: they keep quant_rows.c's kernels.
  */
 #include "quant_blocks.h"
 
@@ -45,6 +45,11 @@ ALWAYS_INLINE __m256i sum8x8(const __m256i *v) {
 /* The 32 weights of block `blk` as int16: lo = elements 0..15, hi = 16..31 (a Q4 byte holds
  * element l in its low nibble and l + 16 in its high one). */
 ALWAYS_INLINE void block_values(int TYPE, const uint8_t *blk, __m256i *lo, __m256i *hi) {
+    if (TYPE == T_Q8_0) { /* the strips only: int8 values after d */
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        return;
+    }
     const __m256i b = _mm256_cvtepu8_epi16(
         _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2))));
     *lo = _mm256_and_si256(b, _mm256_set1_epi16(0xF));
@@ -63,7 +68,7 @@ ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m25
     const __m256i both = _mm256_permute4x64_epi64(split, 0xD8);
     *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
     *m = TYPE == T_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1))
-                        : _mm256_mul_ps(*d, _mm256_set1_ps(-8.f));
+                        : _mm256_mul_ps(*d, _mm256_set1_ps(TYPE == T_Q4_0 ? -8.f : 0.f));
 }
 
 /* Blocks g0 .. g0 + 7 of the row, for NB rows of x. */
@@ -134,7 +139,7 @@ ALWAYS_INLINE void avx2_row(int TYPE, int NB, const uint8_t *row, const xquant_t
  */
 ALWAYS_INLINE void strip8(int TYPE, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
                           int64_t b0, int64_t K, float *res) {
-    const int bytes = TYPE == T_Q4_0 ? 18 : 20;
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
     const int64_t nsub = K / 32;
     const int16_t *xrow = xq->q + b0 * K;
     __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
@@ -157,7 +162,7 @@ ALWAYS_INLINE void strip8(int TYPE, const uint8_t *w, int64_t row_bytes, const x
         const int64_t o = b0 * nsub + t;
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)),
                               _mm256_mul_ps(d, _mm256_set1_ps(xq->d[o])), acc);
-        macc = _mm256_fmadd_ps(m, _mm256_set1_ps(xq->xs32[o]), macc);
+        if (TYPE != T_Q8_0) macc = _mm256_fmadd_ps(m, _mm256_set1_ps(xq->xs32[o]), macc);
     }
     _mm256_storeu_ps(res, _mm256_add_ps(acc, macc));
 }
@@ -196,6 +201,18 @@ static void strips_q4_1(const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
     strips(T_Q4_1, avx2_row_3_1, w, row_bytes, xq, b0, n0, n1, K, out, out_stride, out_dtype);
 }
 
+static void strips_q8_0(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t b0,
+                        int64_t n0, int64_t n1, int64_t K, void *out, int64_t out_stride,
+                        int out_dtype) {
+    strips(T_Q8_0, fused_row_fns(T_Q8_0)[0], w, row_bytes, xq, b0, n0, n1, K, out, out_stride,
+           out_dtype);
+}
+
+/* Q8_0's rows of 2-8 rows of x stay quant_rows.c's (see the header's measurements): one row of x
+ * takes the strips here (the default model's tied Q8_0 LM head, 49152 x 576: 1.31x, from memory,
+ * 2 threads; 4096 x 576 1.24x, 576 x 1536 1.15x). */
+rows_fn avx2_one_row_fn(int type) { return type == T_Q8_0 ? strips_q8_0 : NULL; }
+
 /* One row of x takes the strips, 2-8 rows the rows (avx2_row_<type id>_<rows>, from ROWS_FNS). */
 const rows_fn *avx2_row_fns(int type) {
     static const rows_fn q4_0[] = {strips_q4_0, avx2_row_2_2, avx2_row_2_3, avx2_row_2_4,
@@ -210,6 +227,10 @@ const rows_fn *avx2_row_fns(int type) {
 }
 #elif QK_SIMD
 const rows_fn *avx2_row_fns(int type) {
+    (void)type;
+    return NULL;
+}
+rows_fn avx2_one_row_fn(int type) {
     (void)type;
     return NULL;
 }
