@@ -158,21 +158,16 @@ ALWAYS_INLINE w32_t k6_values(w32_t l0, w32_t l1, w32_t qh, int k) {
     return w_or(nib, w_and(top, 0x30));
 }
 
-/* A row's sub-blocks alternate between two accumulators where x has one row: one chain of FMAs
- * waits the FMA's latency per sub-block (Zen 3, AVX2: Q6_K 1.06x at 1 row, Q4_K 0.99x, and
- * 0.97x at 2 rows, where two chains are there already). */
-#define KQ_CHAINS(NB) ((NB) == 1 ? 2 : 1)
-
 ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq,
                               int64_t b0, int64_t K, float *res) {
     const int bytes = TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
     const int64_t nsub = K / 32;
     const xquant_t x = {xq->q + b0 * K, xq->d + b0 * nsub, xq->xs + b0 * (K / 16),
                         xq->xs32 + b0 * nsub};
-    acc_t acc[2][FUSED_MAX_B]; /* [j & 1]: see KQ_CHAINS */
+    acc_t acc[FUSED_MAX_B];
     __m256 macc[FUSED_MAX_B];
     for (int i = 0; i < NB; i++) {
-        acc[0][i] = acc[1][i] = acc_zero();
+        acc[i] = acc_zero();
         macc[i] = _mm256_setzero_ps();
     }
     for (int64_t bi = 0; bi < K / 256; bi++) {
@@ -190,10 +185,8 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
                 for (int k = 0; k < 4; k++) {
                     const w32_t w = k6_values(l0, l1, qh, k);
                     const int j = 4 * h + k;
-                    const int c = j % KQ_CHAINS(NB);
-                    const int16_t *xj = x.q + 256 * bi + 32 * j;
                     for (int i = 0; i < NB; i++)
-                        acc[c][i] = k_mac(1, acc[c][i], w, xj + i * K, sd[i], j);
+                        acc[i] = k_mac(1, acc[i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
                 }
             }
         } else {
@@ -202,13 +195,12 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const w32_t w = k45_values(TYPE, w_load(qs + 32 * (j / 2)), qh, j);
-                const int c = j % KQ_CHAINS(NB);
                 for (int i = 0; i < NB; i++)
-                    acc[c][i] = k_mac(0, acc[c][i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
+                    acc[i] = k_mac(0, acc[i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
             }
         }
     }
-    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[0][i]) + acc_sum(acc[1][i]) + hsum8(macc[i]);
+    for (int i = 0; i < NB; i++) res[i] = acc_sum(acc[i]) + hsum8(macc[i]);
 }
 
 /* Q4_0, Q4_1, Q8_0 rows (the K-quants take kquant_row): a block is one sub-block of 32. */
