@@ -53,15 +53,20 @@ DECODE_SOURCE = _CSRC / "decode_layers.c"
 LORA_SOURCE = _CSRC / "lora_kernels.c"
 # And context-parallel attention: partials with log-sum-exp and their merge (context_parallel.py).
 CP_SOURCE = _CSRC / "cp_attention.c"
+# And decode attention's AVX2 version (the portable and AVX-512 ones live in SOURCE).
+ATTENTION_AVX2_SOURCE = _CSRC / "attention_avx2.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
 LINKED_SOURCES = (QUANT_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
-                  RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE)
+                  RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE,
+                  ATTENTION_AVX2_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.
 HEADER = _CSRC / "kernels_common.h"
 # What the quantized-weight sources share among themselves (types, blocks, x's quantized form).
 QUANT_HEADER = _CSRC / "quant_blocks.h"
+# And what decode attention's versions share (loads, a request's scratch, the paged slots).
+ATTENTION_HEADER = _CSRC / "attention_common.h"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
 # allow reordering float sums (vectorised dot products) and nothing else.
 FLAGS = (
@@ -153,7 +158,7 @@ def _run_all(commands: list[list[str]], folder: Path, deadline: float) -> None:
 
 def cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> str:
     """What decides a rebuild: the sources and the headers they include, flags, compiler, CPU."""
-    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER))
+    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER, ATTENTION_HEADER))
     return hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler)
         + " ".join(sorted(kernel_levels.cpu_flags())).encode()

@@ -19,31 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_common.h"
 #include "kernels_common.h"
 
 /* Elementwise kernels use threads only from this many elements on: below it one thread takes
  * ~10-20 us, and a parallel region costs more than it saves when a thread sleeps or is
  * preempted (an mp worker shares the cores with the engine process). */
 #define PARALLEL_MIN (64 * 1024)
-
-/* Load n elements of type `dtype` starting at p[0] into dst as float32. */
-static inline void load_f32(float *restrict dst, const void *restrict p, int64_t n, int dtype) {
-    if (dtype == DT_F32) {
-        memcpy(dst, p, (size_t)n * sizeof(float));
-    } else {
-        const uint16_t *h = (const uint16_t *)p;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
-    }
-}
-
-static inline void store_f32(void *restrict p, const float *restrict src, int64_t n, int dtype) {
-    if (dtype == DT_F32) {
-        memcpy(p, src, (size_t)n * sizeof(float));
-    } else {
-        uint16_t *h = (uint16_t *)p;
-        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(src[i]);
-    }
-}
 
 static inline float dot_f32(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.f;
@@ -56,35 +38,8 @@ static inline void axpy_f32(float *restrict y, float w, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += w * x[i];
 }
 
-/* Per-request scratch of decode attention, shared by both versions: the scaled float32 query
- * qf [H, D], the output accumulators acc [H, D], each head's running max m [H] and sum l [H]. */
-static void start_request(float *qf, float *acc, float *m, float *l, const void *q, int64_t H,
-                          int64_t D, float scale, int dtype) {
-    load_f32(qf, q, H * D, dtype);
-    for (int64_t i = 0; i < H * D; i++) qf[i] *= scale;
-    memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    for (int64_t h = 0; h < H; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-    }
-}
-
-static void finish_request(void *out, float *acc, const float *l, int64_t H, int64_t D,
-                           int dtype) {
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) acc[h * D + d] /= l[h];
-    store_f32(out, acc, H * D, dtype);
-}
-
 /* Slots per online-softmax step: one AVX-512 vector of scores. */
 #define GROUP 16
-
-/* Slot t of a request's context (blocks: its block table row) in the paged cache. */
-static inline const char *slot_at(const void *cache, const int64_t *blocks, int64_t t,
-                                  int64_t block_size, size_t slot_bytes) {
-    return (const char *)cache
-           + (size_t)(blocks[t / block_size] * block_size + t % block_size) * slot_bytes;
-}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -388,6 +343,9 @@ int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_
             continue;
         }
 #endif
+        if (decode_request_avx2(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv,
+                                D, block_size, scale, dtype, buf))
+            continue;
         decode_request_scalar(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv, D,
                               block_size, scale, dtype, buf);
     }
