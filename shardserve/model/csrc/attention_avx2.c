@@ -13,6 +13,7 @@
  * through the pool: the hardware prefetcher loses the stream at every block boundary).
  */
 #include "attention_common.h"
+#include "kernels_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
