@@ -15,15 +15,16 @@
  *   threads split the N output columns into tiles of NT weight rows (a tile per task):
  *   for each tile:                          out tile [B, NT] accumulated in float (otile)
  *     for each chunk of KC columns of K:    panel [NT, KC] = decoded W rows (quant_decode_chunk)
- *       for n in steps of NC:               NC panel rows stay in L1 ...
- *         for b in steps of MR:             ... while the rows of x stream past them
- *           acc[MR][NC] vectors += x[b.., k] * panel[n.., k] over the chunk; otile += hsum(acc)
+ *       AVX2 / AVX-512: panel turned K-major, then for b in steps of BR rows of x:
+ *           acc[BR][2] vectors += broadcast x[b.., k] * panel[k][0 .. NT)    (micro_bc)
+ *       else, for n in steps of NC panel rows, b in steps of MR rows of x:
+ *           acc[MR][NC] vectors += x[b.., k..] * panel[n.., k..]; otile += hsum(acc)
  *     out tile = otile (float32 or bfloat16)
  *
- * (The AVX2 build multiplies K-major panels instead, x broadcast: micro_bc below, 1.65-1.98x.)
  * Vectors are GCC vector extensions of the build's width (16 floats with AVX-512, 8 with AVX2,
- * 4 otherwise), so one source serves every ISA level; the compiler emits FMAs where it may.
- * x in bfloat16 (or with a column stride) is converted to a float32 copy first.
+ * 4 otherwise); the compiler emits FMAs where it may. bfloat16 x is multiplied as it is where
+ * the CPU has AVX512_BF16 (vdpbf16ps), else converted to a float32 copy first, as is x with a
+ * column stride.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -70,22 +71,19 @@ typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligne
 #endif
 #define PS (KC + PAD)
 #define PS_BF16 (KC_BF16 + 2 * PAD)
-/* Weight rows per panel (16 for the broadcast kernel below: two vectors of 8). */
-#if VL == 8 && defined(__AVX2__) && defined(__FMA__)
+/* Weight rows per panel: two vectors for the broadcast kernels below (16 AVX2, 32 AVX-512);
+ * BR rows of x per micro-kernel call: 2 BR accumulators, 2 weight vectors and a broadcast fill
+ * the register file (16 vectors with AVX2, 32 with AVX-512). */
+#if defined(__AVX2__) && defined(__FMA__)
 #define GEMM_BCAST 1
-#define NT 16
+#define NT (2 * VL)
+#define BR (VL == 16 ? 12 : 6)
 #else
 #define GEMM_BCAST 0
 #define NT (NC > 4 ? 2 * NC : 4 * NC)
 #endif
 /* Below this many multiply-adds a call runs on one thread (a parallel region costs more). */
 #define GEMM_PARALLEL_MIN (256 * 1024)
-
-ALWAYS_INLINE float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
 
 /* Elements [k0, k0 + kc) of weight row n, decoded QDECODE_MAX at a time. */
 static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
@@ -96,26 +94,6 @@ static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t n
         quant_decode_chunk(type, w, row_bytes, n, K, k0 + k, cnt,
                            (char *)out + (size_t)k * esize, out_dtype);
     }
-}
-
-/* otile[r * NT + c] += x[r] . panel[c] over kc columns, for mr <= MR rows and nc <= NC panel
- * rows: mr and nc are constants at every call site, so each pair compiles to its own
- * fully-unrolled loop with the accumulators in registers. */
-ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
-                         float *otile) {
-    vf acc[MR][NC];
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) acc[r][c] = (vf){0};
-    for (int64_t k = 0; k < kc; k += VL) {
-        vf w[NC];
-        for (int c = 0; c < nc; c++) w[c] = *(const vf_u *)(p + c * PS + k);
-        for (int r = 0; r < mr; r++) {
-            const vf xv = *(const vf_u *)(x + r * xs + k);
-            for (int c = 0; c < nc; c++) acc[r][c] += xv * w[c];
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) otile[r * NT + c] += hsum(acc[r][c]);
 }
 
 #define MICRO_NC(F, MRV)                                                                   \
@@ -138,10 +116,39 @@ ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float
     default: MICRO_NC(F, MR) break;                                                        \
     }
 
+#if !GEMM_BCAST
+/* The portable build's micro-kernel (and a pre-AVX2 one's): dot products along K. */
+ALWAYS_INLINE float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* otile[r * NT + c] += x[r] . panel[c] over kc columns, for mr <= MR rows and nc <= NC panel
+ * rows: mr and nc are constants at every call site, so each pair compiles to its own
+ * fully-unrolled loop with the accumulators in registers. */
+ALWAYS_INLINE void micro(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
+                         float *otile) {
+    vf acc[MR][NC];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = (vf){0};
+    for (int64_t k = 0; k < kc; k += VL) {
+        vf w[NC];
+        for (int c = 0; c < nc; c++) w[c] = *(const vf_u *)(p + c * PS + k);
+        for (int r = 0; r < mr; r++) {
+            const vf xv = *(const vf_u *)(x + r * xs + k);
+            for (int c = 0; c < nc; c++) acc[r][c] += xv * w[c];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) otile[r * NT + c] += hsum(acc[r][c]);
+}
+
 static void micro_any(int mr, int nc, const float *x, int64_t xs, const float *p, int64_t kc,
                       float *otile) {
     MICRO_MR(micro)
 }
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -180,18 +187,18 @@ static void micro_bf16_any(int mr, int nc, const uint16_t *x, int64_t xs, const 
 #if GEMM_BCAST
 #include <immintrin.h>
 /*
- * The AVX2 build's micro-kernel: the lanes run along the 16 weight rows of a tile, not along K.
- * The panel is turned K-major (pt[k][16], from the decoded rows by 8x8 transposes) and each
- * step loads its 16 weights once (two vectors) for BR rows of x, whose element is broadcast:
- * 2 loads and BR broadcasts feed 2 BR FMAs, no horizontal sums, and a row of x is read 4 bytes
- * a step where the dot-product kernel above reads a vector of it per NC FMAs (which, for a
- * prefill's x beyond L2, streamed from L3 at ~45 GMAC/s: ~58% of the FMA peak).
+ * The AVX2 and AVX-512 builds' micro-kernels: the lanes run along the NT weight rows of a tile,
+ * not along K. The panel is turned K-major (pt[k][NT], from the decoded rows by 8x8 transposes)
+ * and each step loads its NT weights once (two vectors) for BR rows of x, whose element is
+ * broadcast: 2 loads and BR broadcasts feed 2 BR FMAs, no horizontal sums, and a row of x is
+ * read 4 bytes a step where a dot-product kernel reads a vector of it per few FMAs (which, for a
+ * prefill's x beyond L2, streamed from L3: ~58% of the FMA peak on Zen 3).
  *
- *   step k:   w0 w1 = pt[k][0..7], pt[k][8..15]
+ *   step k:   w0 w1 = pt[k][0 .. VL), pt[k][VL .. NT)
  *             acc[r][0] += x[r][k] * w0,  acc[r][1] += x[r][k] * w1     for r < BR
+ * (bfloat16 x keeps micro_bf16's dot products: measured with pairs broadcast into vdpbf16ps on
+ * Zen 4, 0.87-0.93x at 16-32 rows, 1.01-1.06x at 512, where micro_bf16 is at the peak already.)
  */
-#define BR 6
-
 static void transpose8(const float *src, int64_t ss, float *dst) {
     __m256 r[8], t[8];
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ss);
@@ -211,24 +218,21 @@ static void transpose8(const float *src, int64_t ss, float *dst) {
     }
 }
 
-/* otile[r * NT + 0..15] += x[r] . pt[.][0..15] over kc columns, for mr <= BR rows. */
+/* otile[r * NT + 0 .. NT) += x[r] . pt[.][0 .. NT) over kc columns, for mr <= BR rows. */
 ALWAYS_INLINE void micro_bc(int mr, const float *x, int64_t xs, const float *pt, int64_t kc,
                             float *otile) {
-    __m256 acc[BR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    vf acc[BR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (vf){0};
     for (int64_t k = 0; k < kc; k++) {
-        const __m256 w0 = _mm256_load_ps(pt + k * NT), w1 = _mm256_load_ps(pt + k * NT + 8);
+        const vf w0 = *(const vf *)(pt + k * NT), w1 = *(const vf *)(pt + k * NT + VL);
         for (int r = 0; r < mr; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
-            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+            const float xb = x[r * xs + k];
+            acc[r][0] += xb * w0;
+            acc[r][1] += xb * w1;
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int h = 0; h < 2; h++) {
-            float *o = otile + r * NT + 8 * h;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[r][h]));
-        }
+        for (int h = 0; h < 2; h++) *(vf_u *)(otile + r * NT + VL * h) += acc[r][h];
 }
 
 static void micro_bc_any(int mr, const float *x, int64_t xs, const float *pt, int64_t kc,
@@ -239,17 +243,24 @@ static void micro_bc_any(int mr, const float *x, int64_t xs, const float *pt, in
     case 3: micro_bc(3, x, xs, pt, kc, otile); break;
     case 4: micro_bc(4, x, xs, pt, kc, otile); break;
     case 5: micro_bc(5, x, xs, pt, kc, otile); break;
+#if BR > 6
+    case 6: micro_bc(6, x, xs, pt, kc, otile); break;
+    case 7: micro_bc(7, x, xs, pt, kc, otile); break;
+    case 8: micro_bc(8, x, xs, pt, kc, otile); break;
+    case 9: micro_bc(9, x, xs, pt, kc, otile); break;
+    case 10: micro_bc(10, x, xs, pt, kc, otile); break;
+    case 11: micro_bc(11, x, xs, pt, kc, otile); break;
+#endif
     default: micro_bc(BR, x, xs, pt, kc, otile); break;
     }
 }
 
-/* The rows of a chunk decoded (rm, rows PS apart; rows past nt zero) turned K-major into pt. */
+/* The rows of a chunk decoded (rm, rows PS apart; rows past nt zeroed here) turned K-major
+ * into pt. */
 static void panel_k_major(float *rm, int64_t nt, int64_t kc, float *pt) {
     for (int64_t c = nt; c < NT; c++) memset(rm + c * PS, 0, sizeof(float) * (size_t)kc);
-    for (int64_t k = 0; k < kc; k += 8) {
-        transpose8(rm + k, PS, pt + k * NT);
-        transpose8(rm + 8 * PS + k, PS, pt + k * NT + 8);
-    }
+    for (int64_t k = 0; k < kc; k += 8)
+        for (int64_t c = 0; c < NT; c += 8) transpose8(rm + c * PS + k, PS, pt + k * NT + c);
 }
 #endif
 
@@ -285,29 +296,29 @@ static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void 
             for (int64_t c = 0; c < nt; c++)
                 decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
                             (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
+#if GEMM_BF16
+        if (bf16) {
+            for (int64_t c = 0; c < nt; c += NC)
+                for (int64_t b = 0; b < B; b += MR)
+                    micro_bf16_any((int)(B - b < MR ? B - b : MR), (int)(nt - c < NC ? nt - c : NC),
+                                   (const uint16_t *)x + b * xs + k0, xs,
+                                   (const uint16_t *)panel + c * ps, kc, otile + b * NT + c);
+            continue;
+        }
+#endif
 #if GEMM_BCAST
-        float *pt = (float *)panel + NT * PS; /* the K-major panel, 32-byte aligned */
+        float *pt = (float *)panel + NT * PS; /* the K-major panel, 64-byte aligned */
         panel_k_major(panel, nt, kc, pt);
         for (int64_t b = 0; b < B; b += BR)
             micro_bc_any((int)(B - b < BR ? B - b : BR), (const float *)x + b * xs + k0, xs, pt,
                          kc, otile + b * NT);
-        continue;
+#else
+        for (int64_t c = 0; c < nt; c += NC)
+            for (int64_t b = 0; b < B; b += MR)
+                micro_any((int)(B - b < MR ? B - b : MR), (int)(nt - c < NC ? nt - c : NC),
+                          (const float *)x + b * xs + k0, xs, (const float *)panel + c * ps, kc,
+                          otile + b * NT + c);
 #endif
-        for (int64_t c = 0; c < nt; c += NC) {
-            const int nc = (int)(nt - c < NC ? nt - c : NC);
-            for (int64_t b = 0; b < B; b += MR) {
-                const int mr = (int)(B - b < MR ? B - b : MR);
-#if GEMM_BF16
-                if (bf16) {
-                    micro_bf16_any(mr, nc, (const uint16_t *)x + b * xs + k0, xs,
-                                   (const uint16_t *)panel + c * ps, kc, otile + b * NT + c);
-                    continue;
-                }
-#endif
-                micro_any(mr, nc, (const float *)x + b * xs + k0, xs, (const float *)panel + c * ps,
-                          kc, otile + b * NT + c);
-            }
-        }
     }
 }
 
