@@ -1,0 +1,217 @@
+/*
+ * The multiply-add rate of batched-product inner loops on this CPU, from L1/L2 (no weight
+ * decode, no memory traffic): what a quantized GEMM at 32 rows of x could reach at best, per
+ * kind of activation. Issue 30 asks 2x llama.cpp's batch-32 decode; this says whether any
+ * kernel of a kind could, before one is built into the engine.
+ *
+ * Every kernel: BR rows of x against a panel of NT = 32 weight rows over K columns, repeated
+ * over 36 rows of x and many passes; 2 threads (OpenMP), each with its own buffers. Kinds:
+ *   f32-bcast   float32 x broadcast, K-major float32 panel, FMA     (the AVX2 / AVX-512 f32 GEMM)
+ *   bf16-dot    bfloat16 x and panel, vdpbf16ps dot products        (the AVX-512 bf16 GEMM)
+ *   i8-vnni     int8 x broadcast by 4s, u8 panel, vpdpbusd, no scales at all (the int8 ceiling)
+ *   i8-vnni-32  the same with a K-quant's float step per 32 columns: int32 -> float, times the
+ *               16 rows' scales x x's scale, plus the rows' mins x x's sum (per-32 x scales)
+ *   i8-avx2     int8 x, u8 panel, vpmaddubsw + vpmaddwd(1), no scales  (AVX2's int8 ceiling)
+ *   i8-avx2-32  the same with the float step per 32 columns
+ *
+ *   gcc -O3 -march=native -fopenmp bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
+ *   /tmp/int8_floor            prints GMAC/s per kind (kinds this CPU lacks are skipped)
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define B 36 /* whole blocks of 4 and of 6 rows: every loop's bounds are constants */
+#define K 1024
+#define NT 32
+#define PASSES 4000
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    float xf[B * K], pf[K * NT], dw[K / 32 * NT], mw[K / 32 * NT], dx[B * K / 32], sx[B * K / 32];
+    uint16_t xh[B * K], ph[NT * K];
+    int8_t x8[B * K];
+    uint8_t p8[K * NT];
+    float out[B * NT];
+} bufs;
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 6 rows x 16 outputs a call (AVX2 float32; the engine's micro_bc). */
+static void f32_bcast(bufs *u) {
+    for (int b = 0; b < B; b += 6) {
+        __m256 acc[6][2];
+        for (int r = 0; r < 6; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int h = 0; h < NT; h += 16)
+            for (int k = 0; k < K; k++) {
+                const __m256 w0 = _mm256_load_ps(u->pf + k * NT + h), w1 = _mm256_load_ps(u->pf + k * NT + h + 8);
+                for (int r = 0; r < 6; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(u->xf + (b + r) * K + k);
+                    acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+                }
+            }
+        for (int r = 0; r < 6; r++) _mm256_storeu_ps(u->out + (b + r) * NT, _mm256_add_ps(acc[r][0], acc[r][1]));
+    }
+}
+
+/* int8 x (4 columns a broadcast word) times u8 panel words [K/4][NT] (4 columns a lane):
+ * vpmaddubsw pairs to int16, vpmaddwd by 1 to int32; with `scaled`, a float step per 32. */
+static void i8_avx2(bufs *u, int scaled) {
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int b = 0; b < B; b += 4)
+        for (int h = 0; h < NT; h += 8) {
+            __m256 accf[4];
+            __m256i acc[4];
+            for (int r = 0; r < 4; r++) accf[r] = _mm256_setzero_ps(), acc[r] = _mm256_setzero_si256();
+            for (int g = 0; g < K / 32; g++) {
+                for (int q = 0; q < 8; q++) {
+                    const __m256i w = _mm256_load_si256((const __m256i *)(u->p8 + ((g * 8 + q) * NT + h) * 4));
+                    for (int r = 0; r < 4; r++) {
+                        int32_t xw;
+                        memcpy(&xw, u->x8 + (b + r) * K + 32 * g + 4 * q, 4);
+                        const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xw));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, one));
+                    }
+                }
+                if (scaled) {
+                    const __m256 dw = _mm256_loadu_ps(u->dw + g * NT + h), mw = _mm256_loadu_ps(u->mw + g * NT + h);
+                    for (int r = 0; r < 4; r++) {
+                        const int o = (b + r) * (K / 32) + g;
+                        accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                                  _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r]);
+                        accf[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r]);
+                        acc[r] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                _mm256_storeu_ps(u->out + (b + r) * NT + h,
+                                 _mm256_add_ps(accf[r], _mm256_cvtepi32_ps(acc[r])));
+        }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+/* 4 rows of x x 4 panel rows a call, dot products along K (the engine's micro_bf16). */
+static void bf16_dot(bufs *u) {
+    for (int b = 0; b < B; b += 4)
+        for (int c = 0; c < NT; c += 4) {
+            __m512 acc[4][4];
+            for (int r = 0; r < 4; r++)
+                for (int n = 0; n < 4; n++) acc[r][n] = _mm512_setzero_ps();
+            for (int k = 0; k < K; k += 32) {
+                __m512bh w[4];
+                for (int n = 0; n < 4; n++) w[n] = (__m512bh)_mm512_loadu_si512(u->ph + (c + n) * K + k);
+                for (int r = 0; r < 4; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(u->xh + (b + r) * K + k);
+                    for (int n = 0; n < 4; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], xv, w[n]);
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                for (int n = 0; n < 4; n++) u->out[(b + r) * NT + c + n] = _mm512_reduce_add_ps(acc[r][n]);
+        }
+}
+
+/* 6 rows of x x 32 outputs (two vectors of 16 lanes), vpdpbusd over 4 columns a lane. */
+static void i8_vnni(bufs *u, int scaled) {
+    for (int b = 0; b < B; b += 6) {
+        __m512 accf[6][2];
+        __m512i acc[6][2];
+        for (int r = 0; r < 6; r++)
+            for (int h = 0; h < 2; h++) accf[r][h] = _mm512_setzero_ps(), acc[r][h] = _mm512_setzero_si512();
+        for (int g = 0; g < K / 32; g++) {
+            for (int q = 0; q < 8; q++) {
+                const uint8_t *p = u->p8 + (g * 8 + q) * NT * 4;
+                const __m512i w0 = _mm512_load_si512(p), w1 = _mm512_load_si512(p + 64);
+                for (int r = 0; r < 6; r++) {
+                    int32_t xw;
+                    memcpy(&xw, u->x8 + (b + r) * K + 32 * g + 4 * q, 4);
+                    const __m512i xb = _mm512_set1_epi32(xw);
+                    acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
+                    acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+                }
+            }
+            if (scaled)
+                for (int h = 0; h < 2; h++) {
+                    const __m512 dw = _mm512_loadu_ps(u->dw + g * NT + 16 * h), mw = _mm512_loadu_ps(u->mw + g * NT + 16 * h);
+                    for (int r = 0; r < 6; r++) {
+                        const int o = (b + r) * (K / 32) + g;
+                        accf[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][h]),
+                                                     _mm512_mul_ps(dw, _mm512_set1_ps(u->dx[o])), accf[r][h]);
+                        accf[r][h] = _mm512_fmadd_ps(mw, _mm512_set1_ps(u->sx[o]), accf[r][h]);
+                        acc[r][h] = _mm512_setzero_si512();
+                    }
+                }
+        }
+        for (int r = 0; r < 6; r++)
+            for (int h = 0; h < 2; h++)
+                _mm512_storeu_ps(u->out + (b + r) * NT + 16 * h,
+                                 _mm512_add_ps(accf[r][h], _mm512_cvtepi32_ps(acc[r][h])));
+    }
+}
+#endif
+
+static void fill(bufs *u) {
+    for (int i = 0; i < B * K; i++) {
+        u->xf[i] = (float)(i % 13) - 6.f;
+        u->xh[i] = 0x3f80;
+        u->x8[i] = (int8_t)(i % 17 - 8);
+    }
+    for (int i = 0; i < K * NT; i++) u->pf[i] = (float)(i % 7), u->ph[i] = 0x3f80, u->p8[i] = (uint8_t)(i % 16);
+    for (int i = 0; i < K / 32 * NT; i++) u->dw[i] = 0.01f, u->mw[i] = -0.02f;
+    for (int i = 0; i < B * K / 32; i++) u->dx[i] = 0.1f, u->sx[i] = 3.f;
+}
+
+static void measure(const char *name, void (*fn)(bufs *, int), int arg) {
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = 0, t1 = 0;
+#pragma omp parallel num_threads(2)
+        {
+            bufs *u = aligned_alloc(64, sizeof(bufs));
+            fill(u);
+            fn(u, arg); /* warm */
+#pragma omp barrier
+#pragma omp master
+            t0 = now_s();
+            for (int p = 0; p < PASSES; p++) fn(u, arg);
+#pragma omp barrier
+#pragma omp master
+            t1 = now_s();
+            free(u);
+        }
+        const double rate = 2.0 * PASSES * (double)B * K * NT / (t1 - t0) / 1e9;
+        best = rate > best ? rate : best;
+    }
+    printf("%-11s %7.1f GMAC/s (2 threads, best of 3)\n", name, best);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static void f32_bcast_(bufs *u, int a) { (void)a; f32_bcast(u); }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+static void bf16_dot_(bufs *u, int a) { (void)a; bf16_dot(u); }
+#endif
+
+int main(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    measure("f32-bcast", f32_bcast_, 0);
+    measure("i8-avx2", i8_avx2, 0);
+    measure("i8-avx2-32", i8_avx2, 1);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    measure("bf16-dot", bf16_dot_, 0);
+    measure("i8-vnni", i8_vnni, 0);
+    measure("i8-vnni-32", i8_vnni, 1);
+#endif
+    return 0;
+}
