@@ -34,10 +34,14 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCE = _CSRC / "cpu_kernels.c"
 # Built into the same library: the matrix products with GGUF-quantized weights (quantization.py).
 QUANT_SOURCE = _CSRC / "quant_kernels.c"
+# And x's quantization per 32 values (int16, or the opt-in int8) for their integer products.
+ACTIVATIONS_SOURCE = _CSRC / "quant_activations.c"
 # And their SIMD row kernels for small batches (the batch-1 decode step's products).
 ROWS_SOURCE = _CSRC / "quant_rows.c"
 # And their AVX2 build's own for Q4_0 / Q4_1 / Q8_0 (integer sums per group of 8 blocks).
 ROWS_AVX2_SOURCE = _CSRC / "quant_rows_avx2.c"
+# And the opt-in int8 activations' rows (SHARDSERVE_INT8_ACTIVATIONS).
+ROWS_INT8_SOURCE = _CSRC / "quant_rows_int8.c"
 # And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
 TILES_SOURCE = _CSRC / "quant_tiles.c"
 # And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
@@ -56,9 +60,9 @@ CP_SOURCE = _CSRC / "cp_attention.c"
 # And decode attention's AVX2 version (the portable and AVX-512 ones live in SOURCE).
 ATTENTION_AVX2_SOURCE = _CSRC / "attention_avx2.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
-LINKED_SOURCES = (QUANT_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
-                  RETILE_SOURCE, GEMM_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE,
-                  ATTENTION_AVX2_SOURCE)
+LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE,
+                  ROWS_INT8_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE, RETILE_SOURCE, GEMM_SOURCE,
+                  PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.

@@ -78,6 +78,13 @@ def library() -> ctypes.CDLL | None:
         logger.error("native CPU kernels failed to build (%s); using the PyTorch path", e)
         return None
     logger.info("native CPU kernels: %s", isa_report(lib))
+    if envs.int8_activations():
+        lib.quant_set_int8_activations(1)
+        logger.warning(
+            "SHARDSERVE_INT8_ACTIVATIONS=1: the row kernels take x as int8 per 32 values (faster, "
+            "~0.5%% error; greedy outputs may differ from the float model's)%s",
+            "; this level's 16-row tiles (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with rows in multiples of "
+            "16) keep int16" if lib.quant_can_tile() else "")
     return lib
 
 
@@ -127,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_gemm": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
         "quant_dequantize_rows": [ptr, i32, ptr, i64, i32, ptr, i64, i64, i32],
         "quant_can_repack": [],
+        "quant_set_int8_activations": [i32],
+        "quant_int8_activations": [],
         "quant_can_tile": [],
         "quant_retile": [i32, ptr, i64, ptr, i64, i64],
         "decode_layers": [ptr, i64, ptr],

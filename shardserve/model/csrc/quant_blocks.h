@@ -116,12 +116,14 @@ static inline void scale_min_k4(int j, const uint8_t *sc, uint8_t *d, uint8_t *m
 }
 
 /* Quantized activations: int16 q [B, K], per 32 the scale d [B, K/32] and per 16 the scaled
- * sum xs [B, K/16] (xs = d * sum q over the half). */
+ * sum xs [B, K/16] (xs = d * sum q over the half). With int8 activations (quant_rows_int8.c)
+ * q8 holds x instead of q, and d, xs, xs32 are its scales. */
 typedef struct {
     int16_t *q;
     float *d;
     float *xs;
     float *xs32; /* [B, K/32]: xs of both halves */
+    int8_t *q8;  /* [B, K]; NULL: x is int16 */
 } xquant_t;
 
 /* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the
@@ -354,5 +356,19 @@ const rows_fn *avx2_row_fns(int type);
 rows_fn avx2_one_row_fn(int type);
 /* quant_rows.c: its own row kernels' table for a block type (Q4_0 ... Q6_K); NULL for others. */
 const rows_fn *fused_row_fns(int type);
+/* quant_rows.c: a table's kernels over N weight rows, tasks of 16 rows split among threads. */
+void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
+              int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
+              int threads);
+/* quant_activations.c: one row of x quantized per 32 values into q (int16) or, where q8 is
+ * given, q8 (int8), with d, xs, xs32 as xquant_t's. */
+void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
+                    float *xs, float *xs32);
+/* quant_rows_int8.c: whether quant_matmul takes `type` with int8 x (the mode is on and it has
+ * int8 rows for it); the portable dot of a decoded row with x's int8 form; the SIMD rows (NULL
+ * where this build has none). */
+int quant_int8_takes(int type);
+float int8_dot_row(const row_t *r, const xquant_t *xq, int64_t b, int64_t K, int is_signed);
+const rows_fn *int8_row_fns(int type);
 
 #endif

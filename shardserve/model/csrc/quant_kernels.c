@@ -7,9 +7,9 @@
  *
  * How (llama.cpp's scheme on CPUs, written afresh here, with 16-bit activations):
  *   1. x is quantized per 32 elements to int16:  x ~ xd * xq,  xd = max|x| / 32767, and the
- *      sums of xq per half (16 elements) and per 32 are kept scaled: xs = xd * sum(xq).
- *      (int8 activations, as llama.cpp uses, agreed with float32 at 98.05% top-1 on the
- *      default model; int16 at 100%.)
+ *      sums of xq per half (16 elements) and per 32 are kept scaled: xs = xd * sum(xq)
+ *      (quant_activations.c). (int8 activations, as llama.cpp uses, agreed with float32 at
+ *      98.05% top-1 on the default model; int16 at 100%: int8 is opt-in, quant_rows_int8.c.)
  *   2. Each weight row is read as "sub-blocks" of 32 small integers q with, per half of 16, a
  *      scale s and an offset m:  w = s * q + m  (every GGUF type fits that form exactly:
  *      Q4_0 m = -8 d; Q4_1 m = min; Q8_0 m = 0 with q signed; Q4_K/Q5_K s = d * sc_j,
@@ -171,75 +171,6 @@ void decode_row(const uint8_t *w, int64_t K, int type, row_t *r) {
     }
 }
 
-#if QK_SIMD
-/* x's elements [i, i + 8) as float32. */
-static inline __m256 load8_x(const void *x, int64_t i, int dtype) {
-    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)x + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline int hsum8_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-/* The 32 values of sub-block `sub` as the portable loop below computes them (the same max, the
- * same product rounded to nearest even): it ran once per product, serially, ~4 ns a value. */
-static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, float *amax_out,
-                           int *sum) {
-    __m256 v[4], amax8 = _mm256_setzero_ps();
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int l = 0; l < 4; l++) {
-        v[l] = load8_x(x, 32 * sub + 8 * l, dtype);
-        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[l], abs_mask));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    __m256i qi[4];
-    for (int l = 0; l < 4; l++) qi[l] = _mm256_cvtps_epi32(_mm256_mul_ps(v[l], inv));
-    for (int h = 0; h < 2; h++) {
-        const __m256i packed = _mm256_packs_epi32(qi[2 * h], qi[2 * h + 1]); /* lanes 0 2 1 3 */
-        _mm256_storeu_si256((__m256i *)(q + 32 * sub + 16 * h),
-                            _mm256_permute4x64_epi64(packed, 0xD8));
-        sum[h] = hsum8_epi32(_mm256_add_epi32(qi[2 * h], qi[2 * h + 1]));
-    }
-    *amax_out = amax;
-}
-#endif
-
-static void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, float *d, float *xs,
-                           float *xs32) {
-    for (int64_t sub = 0; sub < K / 32; sub++) {
-        int sum[2] = {0, 0};
-        float amax = 0.f;
-#if QK_SIMD
-        quantize_x_sub(x, sub, dtype, q, &amax, sum);
-#else
-        float v[32];
-        for (int l = 0; l < 32; l++) {
-            const int64_t i = 32 * sub + l;
-            v[l] = dtype == DT_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
-            amax = fmaxf(amax, fabsf(v[l]));
-        }
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        for (int l = 0; l < 32; l++) {
-            const int qi = (int)nearbyintf(v[l] * inv);
-            q[32 * sub + l] = (int16_t)qi;
-            sum[l / 16] += qi;
-        }
-#endif
-        const float scale = amax / 32767.f;
-        d[sub] = scale;
-        xs[2 * sub] = scale * (float)sum[0];
-        xs[2 * sub + 1] = scale * (float)sum[1];
-        xs32[sub] = scale * (float)(sum[0] + sum[1]);
-    }
-}
-
 /* sum over the row's halves of m * xs: the offsets' share of the dot product. */
 static inline float offset_dot(const float *m, const float *xs, int64_t halves) {
     float acc = 0.f;
@@ -265,8 +196,11 @@ static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64
 
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
-    for (int64_t b = 0; b < B; b++)
-        store_out(out, b * out_stride + n, dot_row_scalar(r, xq, b, K, is_signed), out_dtype);
+    for (int64_t b = 0; b < B; b++) {
+        const float v = xq->q8 ? int8_dot_row(r, xq, b, K, is_signed)
+                               : dot_row_scalar(r, xq, b, K, is_signed);
+        store_out(out, b * out_stride + n, v, out_dtype);
+    }
 }
 
 /* quant_gemm.c's view of block_shape. */
@@ -309,25 +243,35 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     if (!block_shape(type, &elems, &bytes) || K % elems || row_bytes < K / elems * bytes ||
         (IS_TILED(type) && N % 16))
         return -2;
-    xquant_t xq = {malloc(sizeof(int16_t) * (size_t)(B * K)),
+    const int int8 = quant_int8_takes(type); /* else int16 */
+    xquant_t xq = {int8 ? NULL : malloc(sizeof(int16_t) * (size_t)(B * K)),
                    malloc(sizeof(float) * (size_t)(B * (K / 32))),
                    malloc(sizeof(float) * (size_t)(B * (K / 16))),
-                   malloc(sizeof(float) * (size_t)(B * (K / 32)))};
+                   malloc(sizeof(float) * (size_t)(B * (K / 32))),
+                   int8 ? malloc((size_t)(B * K)) : NULL};
     int rc = 0;
-    if (!xq.q || !xq.d || !xq.xs || !xq.xs32) {
+    if (!(xq.q || xq.q8) || !xq.d || !xq.xs || !xq.xs32) {
         rc = -1;
         goto done;
     }
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-    for (int64_t b = 0; b < B; b++)
-        quantize_x_row((const char *)x + (size_t)(b * x_stride) * esize, K, dtype, xq.q + b * K,
-                       xq.d + b * (K / 32), xq.xs + b * (K / 16), xq.xs32 + b * (K / 32));
+    for (int64_t b = 0; b < B; b++) {
+        const void *xb = (const char *)x + (size_t)(b * x_stride) * esize;
+        float *d = xq.d + b * (K / 32), *xs = xq.xs + b * (K / 16), *xs32 = xq.xs32 + b * (K / 32);
+        quantize_x_row(xb, K, dtype, int8 ? NULL : xq.q + b * K, int8 ? xq.q8 + b * K : NULL, d,
+                       xs, xs32);
+    }
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
-    if (IS_TILED(type) ? quant_tiles_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride,
-                                          out_dtype, threads)
-                     : quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out, out_stride,
-                                       out_dtype, threads))
+    const rows_fn *int8_fns = int8 ? int8_row_fns(type) : NULL;
+    if (int8_fns != NULL) {
+        run_rows(int8_fns, w, row_bytes, &xq, B, N, K, out, out_stride, out_dtype, threads);
+        goto done;
+    }
+    if (!int8 && (IS_TILED(type) ? quant_tiles_simd(w, row_bytes, type, &xq, B, N, K, out,
+                                                   out_stride, out_dtype, threads)
+                                : quant_rows_simd(w, row_bytes, type, &xq, B, N, K, out,
+                                                  out_stride, out_dtype, threads)))
         goto done;
 #endif
     const int is_signed = type == T_Q8_0 || type == T_R8 || type == T_T8;
@@ -344,6 +288,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     }
     free_rows(rows, threads);
 done:
+    free(xq.q8);
     free(xq.q);
     free(xq.d);
     free(xq.xs);

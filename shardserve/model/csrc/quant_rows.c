@@ -243,9 +243,9 @@ ROWS_FNS(fused_row, T_Q6_K)
 /* Weight rows a task takes: all passes over x's rows run on them while they sit in cache. */
 #define ROWS_TILE 16
 
-static void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
-                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
-                     int out_dtype, int threads) {
+void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
+              int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
+              int threads) {
     const int64_t tiles = (N + ROWS_TILE - 1) / ROWS_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
