@@ -192,6 +192,17 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* 8 vectors of 8 int32 -> [sum v[0], ..., sum v[7]]. */
+static inline __m256i sum8x8(const __m256i *v) {
+    const __m256i q0 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i q1 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* q0 = [v0..v3 low-lane sums | v0..v3 high-lane sums], q1 the same for v4..v7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x21),
+                            _mm256_blend_epi32(q0, q1, 0xF0));
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

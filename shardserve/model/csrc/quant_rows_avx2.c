@@ -31,17 +31,6 @@
 
 #define GROUP 8
 
-/* 8 vectors of 8 int32 -> [sum v[0], ..., sum v[7]]. */
-ALWAYS_INLINE __m256i sum8x8(const __m256i *v) {
-    const __m256i q0 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i q1 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    /* q0 = [v0..v3 low-lane sums | v0..v3 high-lane sums], q1 the same for v4..v7 */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x21),
-                            _mm256_blend_epi32(q0, q1, 0xF0));
-}
-
 /* The 32 weights of block `blk` as int16: lo = elements 0..15, hi = 16..31 (a Q4 byte holds
  * element l in its low nibble and l + 16 in its high one). */
 ALWAYS_INLINE void block_values(int TYPE, const uint8_t *blk, __m256i *lo, __m256i *hi) {

@@ -83,6 +83,17 @@ ALWAYS_INLINE void int8_k4(int TYPE, int NB, const uint8_t *b, const xquant_t *x
         macc[i] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xq->xs32 + at), macc[i]);
     }
     const uint8_t *qs = b + (TYPE == T_Q5_K ? 48 : 16);
+    if (NB == 1 && TYPE == T_Q4_K) { /* the sub-blocks' sums as integers, one float step */
+        const int8_t *x = xq->q8 + b0 * K + 256 * blk;
+        __m256i p[8];
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i v = load32(qs + 16 * j);
+            p[j] = int8_sub_dot(TYPE, low_nibbles(v), x + 32 * j);
+            p[j + 1] = int8_sub_dot(TYPE, high_nibbles(v), x + 32 * j + 32);
+        }
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)), _mm256_load_ps(sd[0]), acc[0]);
+        return;
+    }
     for (int j = 0; j < 8; j++) {
         const __m256i v = load32(qs + 32 * (j / 2));
         __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
@@ -113,6 +124,7 @@ ALWAYS_INLINE void int8_k6(int NB, const uint8_t *b, const xquant_t *xq, int64_t
     const __m256 off_hi = _mm256_mul_ps(m32, _mm256_cvtepi32_ps(
                                                  _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
     float sd[FUSED_MAX_B][8] __attribute__((aligned(32)));
+    __m256i p[8]; /* one row of x: the sub-blocks' scaled sums, one float step for all */
     for (int i = 0; i < NB; i++) {
         const int64_t at = (b0 + i) * nsub + 8 * blk;
         _mm256_store_ps(sd[i], _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + at)));
@@ -138,12 +150,17 @@ ALWAYS_INLINE void int8_k6(int NB, const uint8_t *b, const xquant_t *xq, int64_t
             for (int i = 0; i < NB; i++) {
                 const int8_t *x = xq->q8 + (b0 + i) * K + 256 * blk + 32 * (4 * h + k);
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vals, xv), scv);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                         _mm256_broadcast_ss(&sd[i][4 * h + k]), acc[i]);
+                const __m256i pk = _mm256_madd_epi16(_mm256_maddubs_epi16(vals, xv), scv);
+                if (NB == 1)
+                    p[4 * h + k] = pk;
+                else
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pk),
+                                             _mm256_broadcast_ss(&sd[i][4 * h + k]), acc[i]);
             }
         }
     }
+    if (NB == 1)
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)), _mm256_load_ps(sd[0]), acc[0]);
 }
 
 /* The 32-value blocks (Q4_0, Q4_1, Q8_0) times NB rows of x. */
