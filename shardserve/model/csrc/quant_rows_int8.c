@@ -70,7 +70,7 @@ ALWAYS_INLINE __m256i int8_sub_dot(int TYPE, __m256i v, const int8_t *x) {
 /* Q4_K / Q5_K's block times NB rows of x. Per row the eight sub-block scales times x's eight
  * are one vector (parked, each then a broadcast), the mins' share one FMA with x's sums. */
 ALWAYS_INLINE void int8_k4(int TYPE, int NB, const uint8_t *b, const xquant_t *xq, int64_t b0,
-                           int64_t K, int64_t blk, __m256 *acc, __m256 *macc) {
+                           int64_t K, int64_t blk, __m256 *acc) {
     const int64_t nsub = K / 32;
     uint64_t sc, mn;
     k4_unpack(b, &sc, &mn);
@@ -80,7 +80,7 @@ ALWAYS_INLINE void int8_k4(int TYPE, int NB, const uint8_t *b, const xquant_t *x
     for (int i = 0; i < NB; i++) {
         const int64_t at = (b0 + i) * nsub + 8 * blk;
         _mm256_store_ps(sd[i], _mm256_mul_ps(ds, _mm256_loadu_ps(xq->d + at)));
-        macc[i] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xq->xs32 + at), macc[i]);
+        acc[i] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xq->xs32 + at), acc[i]);
     }
     const uint8_t *qs = b + (TYPE == T_Q5_K ? 48 : 16);
     if (NB == 1 && TYPE == T_Q4_K) { /* the sub-blocks' sums as integers, one float step */
@@ -114,7 +114,7 @@ ALWAYS_INLINE void int8_k4(int TYPE, int NB, const uint8_t *b, const xquant_t *x
  * the pairs' sums by vpmaddwd (a sub-block's two halves in one register); per row d times x's
  * eight scales is one vector, the -32's share two FMAs with x's sums per 16. */
 ALWAYS_INLINE void int8_k6(int NB, const uint8_t *b, const xquant_t *xq, int64_t b0, int64_t K,
-                           int64_t blk, __m256 *acc, __m256 *macc) {
+                           int64_t blk, __m256 *acc) {
     const int64_t nsub = K / 32;
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
@@ -129,8 +129,8 @@ ALWAYS_INLINE void int8_k6(int NB, const uint8_t *b, const xquant_t *xq, int64_t
         const int64_t at = (b0 + i) * nsub + 8 * blk;
         _mm256_store_ps(sd[i], _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + at)));
         const float *xs = xq->xs + 2 * at;
-        macc[i] = _mm256_fmadd_ps(off_lo, _mm256_loadu_ps(xs), macc[i]);
-        macc[i] = _mm256_fmadd_ps(off_hi, _mm256_loadu_ps(xs + 8), macc[i]);
+        acc[i] = _mm256_fmadd_ps(off_lo, _mm256_loadu_ps(xs), acc[i]);
+        acc[i] = _mm256_fmadd_ps(off_hi, _mm256_loadu_ps(xs + 8), acc[i]);
     }
     for (int h = 0; h < 2; h++) {
         /* scales 8h .. 8h + 7 in both lanes; sub-block 4h + k takes 8h + 2k low, 8h + 2k + 1 high */
@@ -184,22 +184,22 @@ ALWAYS_INLINE void int8_row(int TYPE, int NB, const uint8_t *row, const xquant_t
     const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
                     : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
     const int64_t blocks = K / (kq ? 256 : 32);
-    __m256 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
+    __m256 acc[FUSED_MAX_B]; /* the offsets' share too: 8 rows of x fill 8 of 16 registers */
     float off[FUSED_MAX_B];
     for (int i = 0; i < NB; i++) {
-        acc[i] = macc[i] = _mm256_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
         off[i] = 0.f;
     }
     for (int64_t blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + blk * bytes;
         if (TYPE == T_Q6_K)
-            int8_k6(NB, b, xq, b0, K, blk, acc, macc);
+            int8_k6(NB, b, xq, b0, K, blk, acc);
         else if (kq)
-            int8_k4(TYPE, NB, b, xq, b0, K, blk, acc, macc);
+            int8_k4(TYPE, NB, b, xq, b0, K, blk, acc);
         else
             int8_b32(TYPE, NB, b, xq, b0, K, blk, acc, off);
     }
-    for (int i = 0; i < NB; i++) res[i] = hsum8(_mm256_add_ps(acc[i], macc[i])) + off[i];
+    for (int i = 0; i < NB; i++) res[i] = hsum8(acc[i]) + off[i];
 }
 
 ROWS_FNS(int8_row, T_Q4_0)
