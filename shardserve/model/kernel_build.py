@@ -69,6 +69,8 @@ LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURC
 HEADER = _CSRC / "kernels_common.h"
 # What the quantized-weight sources share among themselves (types, blocks, x's quantized form).
 QUANT_HEADER = _CSRC / "quant_blocks.h"
+# And the row kernels' tables (which file provides which row kernels).
+ROWS_HEADER = _CSRC / "quant_row_tables.h"
 # And what decode attention's versions share (loads, a request's scratch, the paged slots).
 ATTENTION_HEADER = _CSRC / "attention_common.h"
 # No -ffast-math: it would link code that sets flush-to-zero for the whole process. These flags
@@ -162,7 +164,8 @@ def _run_all(commands: list[list[str]], folder: Path, deadline: float) -> None:
 
 def cache_key(compiler: str, flags: tuple[str, ...], sources: tuple[Path, ...]) -> str:
     """What decides a rebuild: the sources and the headers they include, flags, compiler, CPU."""
-    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER, ATTENTION_HEADER))
+    source = b"".join(p.read_bytes() for p in (*sources, HEADER, QUANT_HEADER, ROWS_HEADER,
+                                                 ATTENTION_HEADER))
     return hashlib.sha256(
         source + " ".join(flags).encode() + _compiler_version(compiler)
         + " ".join(sorted(kernel_levels.cpu_flags())).encode()

@@ -22,7 +22,7 @@ def _key() -> str:
     return kb.cache_key(shutil.which("gcc") or "gcc", nk.PORTABLE_ARCH, SOURCES)
 
 
-@pytest.mark.parametrize("header", ["HEADER", "QUANT_HEADER"])
+@pytest.mark.parametrize("header", ["HEADER", "QUANT_HEADER", "ROWS_HEADER"])
 def test_a_header_edit_changes_the_cache_key(header: str, monkeypatch, tmp_path: Path) -> None:
     before = _key()
     original: Path = getattr(kb, header)
@@ -36,10 +36,12 @@ def test_the_header_is_included_by_every_source() -> None:
     """Each file takes the shared helpers from the header, none keeps its own copy."""
     for path in SOURCES:
         text = path.read_text()
-        # Directly, or through the quantized sources' own header (which includes it).
-        via = kb.HEADER if kb.QUANT_HEADER.name not in text else kb.QUANT_HEADER
+        # Directly, or through the quantized sources' own header (which includes it), or the
+        # row kernels' tables (which include that).
+        via = [h for h in (kb.ROWS_HEADER, kb.QUANT_HEADER, kb.HEADER) if h.name in text][0]
         assert f'#include "{via.name}"' in text, path.name
         assert f'#include "{kb.HEADER.name}"' in kb.QUANT_HEADER.read_text()
+        assert f'#include "{kb.QUANT_HEADER.name}"' in kb.ROWS_HEADER.read_text()
         assert "static inline float bf16_to_f32" not in text, path.name
 
 

@@ -210,6 +210,18 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Q4_K / Q5_K sub-block j's 32 values (0..31) as bytes. */
+ALWAYS_INLINE __m256i k45_sub_values(int TYPE, const uint8_t *blk, int j) {
+    const __m256i v = load32(blk + (TYPE == T_Q5_K ? 48 : 16) + 32 * (j / 2));
+    __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
+    if (TYPE == T_Q5_K) {
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 16), j),
+                                             _mm256_set1_epi8(1));
+        vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
+    }
+    return vals;
+}
+
 /* Sub-block j's values and per-half scales / offsets; k_s / k_m hold a K-quant block's eight
  * sub-block scales and offsets (filled by the caller once per block). */
 ALWAYS_INLINE __m256i fused_sub(
@@ -230,15 +242,7 @@ ALWAYS_INLINE __m256i fused_sub(
     if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
         s[0] = s[1] = k_s[j];
         m[0] = m[1] = k_m[j];
-        const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
-        const __m256i v = load32(qs + 32 * (j / 2));
-        __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
-        if (TYPE == T_Q5_K) {
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(blk + 16), j),
-                                                 _mm256_set1_epi8(1));
-            vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
-        }
-        return vals;
+        return k45_sub_values(TYPE, blk, j);
     }
     /* Q6_K */
     const int h = j / 4, k = j % 4;
@@ -333,53 +337,8 @@ static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
         ((uint16_t *)out)[idx] = f32_to_bf16(v);
 }
 
-/*
- * Each (type, rows of x) pair is a function of its own over a range of weight rows, picked from
- * a table: in one function the eight row counts' loops made the compiler allocate registers
- * for all of them (batch 1 ran ~40% slower when the cases went from 4 to 8).
- */
-typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t b0,
-                        int64_t n0, int64_t n1, int64_t K, void *out, int64_t out_stride,
-                        int out_dtype);
-
-#define ROWS_FN(KERNEL, T, NB)                                                           \
-    static void KERNEL##_##T##_##NB(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, \
-                                    int64_t b0, int64_t n0, int64_t n1, int64_t K, void *out, \
-                                    int64_t out_stride, int out_dtype) {                  \
-        for (int64_t n = n0; n < n1; n++) {                                               \
-            float res[NB];                                                                \
-            KERNEL(T, NB, w + n * row_bytes, xq, b0, K, res);                             \
-            for (int i = 0; i < NB; i++)                                                  \
-                store_out(out, (b0 + i) * out_stride + n, res[i], out_dtype);             \
-        }                                                                                 \
-    }
-#define ROWS_FNS(KERNEL, T)                                                              \
-    ROWS_FN(KERNEL, T, 1) ROWS_FN(KERNEL, T, 2) ROWS_FN(KERNEL, T, 3) ROWS_FN(KERNEL, T, 4) \
-    ROWS_FN(KERNEL, T, 5) ROWS_FN(KERNEL, T, 6) ROWS_FN(KERNEL, T, 7) ROWS_FN(KERNEL, T, 8)
-#define ROWS_TABLE(KERNEL, T) ROWS_TABLE_(KERNEL, T) /* T expanded first, as in ROWS_FNS */
-#define ROWS_TABLE_(KERNEL, T)                                                           \
-    {KERNEL##_##T##_1, KERNEL##_##T##_2, KERNEL##_##T##_3, KERNEL##_##T##_4,              \
-     KERNEL##_##T##_5, KERNEL##_##T##_6, KERNEL##_##T##_7, KERNEL##_##T##_8}
-
-/* quant_rows_avx2.c: the AVX2 (no AVX-512) row kernels' table for `type`, and its kernel for one
- * row of x where only that one is its own; NULL where it has none (quant_rows.c's then take it). */
-const rows_fn *avx2_row_fns(int type);
-rows_fn avx2_one_row_fn(int type);
-/* quant_rows.c: its own row kernels' table for a block type (Q4_0 ... Q6_K); NULL for others. */
-const rows_fn *fused_row_fns(int type);
-/* quant_rows.c: a table's kernels over N weight rows, tasks of 16 rows split among threads. */
-void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
-              int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-              int threads);
 /* quant_activations.c: one row of x quantized per 32 values into q (int16) or, where q8 is
  * given, q8 (int8), with d, xs, xs32 as xquant_t's. */
 void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
                     float *xs, float *xs32);
-/* quant_rows_int8.c: whether quant_matmul takes `type` with int8 x (the mode is on and it has
- * int8 rows for it); the portable dot of a decoded row with x's int8 form; the SIMD rows (NULL
- * where this build has none). */
-int quant_int8_takes(int type);
-float int8_dot_row(const row_t *r, const xquant_t *xq, int64_t b, int64_t K, int is_signed);
-const rows_fn *int8_row_fns(int type);
-
 #endif

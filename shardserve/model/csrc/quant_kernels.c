@@ -39,7 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_blocks.h"
+#include "quant_row_tables.h"
 
 
 static void set_halves(row_t *r, int64_t sub, float s, float m) {
@@ -178,16 +178,17 @@ static inline float offset_dot(const float *m, const float *xs, int64_t halves) 
     return acc;
 }
 
-/* Portable path: the row decoded by decode_row, times one row of x. */
+/* Portable path: the row decoded by decode_row, times one row of x (int16, or int8: q8). */
 static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64_t K,
                             int is_signed) {
-    const int16_t *x = xq->q + b * K;
+    const int16_t *x = xq->q8 ? NULL : xq->q + b * K;
+    const int8_t *x8 = xq->q8 ? xq->q8 + b * K : NULL;
     float acc = 0.f;
     for (int64_t h = 0; h < K / 16; h++) {
         int32_t dot = 0;
         for (int l = 0; l < 16; l++) {
             const int32_t w = is_signed ? (int32_t)(int8_t)r->q[16 * h + l] : r->q[16 * h + l];
-            dot += w * (int32_t)x[16 * h + l];
+            dot += w * (int32_t)(x8 ? x8[16 * h + l] : x[16 * h + l]);
         }
         acc += r->s[h] * xq->d[b * (K / 32) + h / 2] * (float)dot;
     }
@@ -196,11 +197,8 @@ static float dot_row_scalar(const row_t *r, const xquant_t *xq, int64_t b, int64
 
 static void row_times_x(const row_t *r, const xquant_t *xq, int64_t B, int64_t K, int is_signed,
                         void *out, int64_t out_stride, int64_t n, int out_dtype) {
-    for (int64_t b = 0; b < B; b++) {
-        const float v = xq->q8 ? int8_dot_row(r, xq, b, K, is_signed)
-                               : dot_row_scalar(r, xq, b, K, is_signed);
-        store_out(out, b * out_stride + n, v, out_dtype);
-    }
+    for (int64_t b = 0; b < B; b++)
+        store_out(out, b * out_stride + n, dot_row_scalar(r, xq, b, K, is_signed), out_dtype);
 }
 
 /* quant_gemm.c's view of block_shape. */

@@ -7,7 +7,7 @@
  */
 #include <omp.h>
 
-#include "quant_blocks.h"
+#include "quant_row_tables.h"
 
 #if QK_SIMD
 /* One sub-block's share (Q4_0, Q4_1, Q8_0): acc += (w . x per pair of int16) * scale. Pairs:
@@ -257,23 +257,7 @@ void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xqu
     }
 }
 
-const rows_fn *fused_row_fns(int type) {
-    static const rows_fn q4_0[] = ROWS_TABLE(fused_row, T_Q4_0);
-    static const rows_fn q4_1[] = ROWS_TABLE(fused_row, T_Q4_1);
-    static const rows_fn q8_0[] = ROWS_TABLE(fused_row, T_Q8_0);
-    static const rows_fn q4_k[] = ROWS_TABLE(fused_row, T_Q4_K);
-    static const rows_fn q5_k[] = ROWS_TABLE(fused_row, T_Q5_K);
-    static const rows_fn q6_k[] = ROWS_TABLE(fused_row, T_Q6_K);
-    switch (type) {
-    case T_Q4_0: return q4_0;
-    case T_Q4_1: return q4_1;
-    case T_Q8_0: return q8_0;
-    case T_Q4_K: return q4_k;
-    case T_Q5_K: return q5_k;
-    case T_Q6_K: return q6_k;
-    default: return NULL;
-    }
-}
+ROWS_TABLES_BY_TYPE(fused_row_fns, fused_row)
 
 #if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define QK_REPACK 1

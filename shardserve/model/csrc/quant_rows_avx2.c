@@ -25,7 +25,7 @@
  * spill): it takes only the strips below (one row of x), and the K-quants, whose scales were
  * already vectors, lost 0.6-0.85x: they keep quant_rows.c's kernels.
  */
-#include "quant_blocks.h"
+#include "quant_row_tables.h"
 
 #if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__)
 

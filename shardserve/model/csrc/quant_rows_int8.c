@@ -23,7 +23,7 @@
  * with int16 in one process, medians of 5; bench/int8_rows.py): 1 x 2048 -> 8192 / 8192 -> 2048
  * Q4_K 1.06x / 1.38x, Q6_K 1.63x / 2.22x, Q8_0 1.07x / 1.82x; 4 rows Q4_K 1.35x, Q6_K 1.63x.
  */
-#include "quant_blocks.h"
+#include "quant_row_tables.h"
 
 static int int8_wanted;
 
@@ -38,22 +38,6 @@ int quant_int8_activations(void) { return int8_wanted; }
 int quant_int8_takes(int type) {
     return int8_wanted && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 ||
                            type == T_Q4_K || type == T_Q5_K || type == T_Q6_K);
-}
-
-/* The portable path: row_t's decoded row (w = s q + m per 16) times one int8 row of x. */
-float int8_dot_row(const row_t *r, const xquant_t *xq, int64_t b, int64_t K, int is_signed) {
-    const int8_t *x = xq->q8 + b * K;
-    float acc = 0.f, off = 0.f;
-    for (int64_t h = 0; h < K / 16; h++) {
-        int32_t dot = 0;
-        for (int l = 0; l < 16; l++) {
-            const int32_t w = is_signed ? (int32_t)(int8_t)r->q[16 * h + l] : r->q[16 * h + l];
-            dot += w * (int32_t)x[16 * h + l];
-        }
-        acc += r->s[h] * xq->d[b * (K / 32) + h / 2] * (float)dot;
-        off += r->m[h] * xq->xs[b * (K / 16) + h];
-    }
-    return acc + off;
 }
 
 #if QK_SIMD && defined(__F16C__)
@@ -95,13 +79,7 @@ ALWAYS_INLINE void int8_k4(int TYPE, int NB, const uint8_t *b, const xquant_t *x
         return;
     }
     for (int j = 0; j < 8; j++) {
-        const __m256i v = load32(qs + 32 * (j / 2));
-        __m256i vals = (j & 1) ? high_nibbles(v) : low_nibbles(v);
-        if (TYPE == T_Q5_K) {
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(b + 16), j),
-                                                 _mm256_set1_epi8(1));
-            vals = _mm256_or_si256(vals, _mm256_slli_epi16(bit, 4));
-        }
+        const __m256i vals = k45_sub_values(TYPE, b, j);
         for (int i = 0; i < NB; i++) {
             const int8_t *x = xq->q8 + (b0 + i) * K + 256 * blk + 32 * j;
             const __m256 p = _mm256_cvtepi32_ps(int8_sub_dot(TYPE, vals, x));
@@ -210,23 +188,7 @@ ROWS_FNS(int8_row, T_Q5_K)
 ROWS_FNS(int8_row, T_Q6_K)
 
 /* The int8 rows of a type (NULL for one they do not take). */
-const rows_fn *int8_row_fns(int type) {
-    static const rows_fn q4_0[] = ROWS_TABLE(int8_row, T_Q4_0);
-    static const rows_fn q4_1[] = ROWS_TABLE(int8_row, T_Q4_1);
-    static const rows_fn q8_0[] = ROWS_TABLE(int8_row, T_Q8_0);
-    static const rows_fn q4_k[] = ROWS_TABLE(int8_row, T_Q4_K);
-    static const rows_fn q5_k[] = ROWS_TABLE(int8_row, T_Q5_K);
-    static const rows_fn q6_k[] = ROWS_TABLE(int8_row, T_Q6_K);
-    switch (type) {
-    case T_Q4_0: return q4_0;
-    case T_Q4_1: return q4_1;
-    case T_Q8_0: return q8_0;
-    case T_Q4_K: return q4_k;
-    case T_Q5_K: return q5_k;
-    case T_Q6_K: return q6_k;
-    default: return NULL;
-    }
-}
+ROWS_TABLES_BY_TYPE(int8_row_fns, int8_row)
 #else
 const rows_fn *int8_row_fns(int type) {
     (void)type;
