@@ -203,6 +203,24 @@ static inline __m256i sum8x8(const __m256i *v) {
                             _mm256_blend_epi32(q0, q1, 0xF0));
 }
 
+#if defined(__F16C__)
+/* d (and Q4_1's m; Q4_0's -8 d; Q8_0's 0) of the 8 blocks from `first`, `bytes` apart, as floats. */
+ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m256 *d, __m256 *m) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(bytes));
+    const __m256i dm = _mm256_i32gather_epi32((const int *)first, idx, 1);
+    /* per 128-bit lane: the four d halves, then the four m halves; then d's, m's together */
+    const __m256i split = _mm256_shuffle_epi8(
+        dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i both = _mm256_permute4x64_epi64(split, 0xD8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
+    *m = TYPE == T_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1))
+                        : _mm256_mul_ps(*d, _mm256_set1_ps(TYPE == T_Q4_0 ? -8.f : 0.f));
+}
+
+#endif
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -45,21 +45,6 @@ ALWAYS_INLINE void block_values(int TYPE, const uint8_t *blk, __m256i *lo, __m25
     *hi = _mm256_srli_epi16(b, 4);
 }
 
-/* d (and Q4_1's m) of the 8 blocks from `first`, `bytes` apart, as floats. */
-ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m256 *d, __m256 *m) {
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(bytes));
-    const __m256i dm = _mm256_i32gather_epi32((const int *)first, idx, 1);
-    /* per 128-bit lane: the four d halves, then the four m halves; then d's, m's together */
-    const __m256i split = _mm256_shuffle_epi8(
-        dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-    const __m256i both = _mm256_permute4x64_epi64(split, 0xD8);
-    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
-    *m = TYPE == T_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1))
-                        : _mm256_mul_ps(*d, _mm256_set1_ps(TYPE == T_Q4_0 ? -8.f : 0.f));
-}
-
 /* Blocks g0 .. g0 + 7 of the row, for NB rows of x. */
 ALWAYS_INLINE void group(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
                          int64_t K, int64_t g0, __m256 *acc, __m256 *macc) {

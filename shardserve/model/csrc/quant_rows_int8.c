@@ -14,6 +14,10 @@
  *                                             first half's 16 products, 4-7 the second's)
  *                             acc += float(p) * [s0 d x4 | s1 d x4]      off += m0 xs0 + m1 xs1
  *
+ * At one row of x the float step is paid once per 8 sub-blocks: a K-quant block's eight (Q6_K's
+ * int8 half-scales multiplied in by vpmaddwd), eight 32-value blocks' (int8_group); their
+ * integer sums go through one horizontal-add tree to a vector of 8.
+ *
  * The integer sums are exact (|v| <= 128, |q| <= 127: a pair <= 32512 fits int16), so the
  * levels differ only in the order of the float additions. Applies to the row layouts
  * (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) up to the row kernels' rows of x; the tiles and
@@ -21,7 +25,9 @@
  *
  * Measured (Zen 4 EPYC, x86-64-v3 build, 2 threads, 6 distinct weights from memory, alternating
  * with int16 in one process, medians of 5; bench/int8_rows.py): 1 x 2048 -> 8192 / 8192 -> 2048
- * Q4_K 1.06x / 1.38x, Q6_K 1.63x / 2.22x, Q8_0 1.07x / 1.82x; 4 rows Q4_K 1.35x, Q6_K 1.63x.
+ * Q4_K 1.40x / 1.70x (~36 GB/s), Q6_K 1.46x / 1.96-2.2x, Q8_0 1.03x / 1.36-1.8x; 8 rows Q4_K
+ * 1.3-1.7x, Q6_K 1.5-1.6x. Not faster: Q4_0 / Q4_1 at small K (the default model's 576: 0.9x
+ * on one thread), where the AVX2 int16 rows take strips of 8 weight rows a pass.
  */
 #include "quant_row_tables.h"
 
@@ -154,6 +160,33 @@ ALWAYS_INLINE void int8_b32(int TYPE, int NB, const uint8_t *b, const xquant_t *
     }
 }
 
+/* One row of x times blocks g0 .. g0 + 7 of a row of 32-value blocks: their sums stay integers
+ * to one float step for the 8 (quant_rows_avx2.c's grouping, with vpmaddubsw). */
+ALWAYS_INLINE void int8_group(int TYPE, const uint8_t *row, const xquant_t *xq, int64_t b0,
+                              int64_t K, int64_t g0, __m256 *acc) {
+    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
+    const int8_t *x = xq->q8 + b0 * K + 32 * g0;
+    __m256i p[8];
+    for (int t = 0; t < 8; t++) {
+        const uint8_t *b = row + (g0 + t) * bytes;
+        __m256i v;
+        if (TYPE == T_Q8_0) {
+            v = load32(b + 2);
+        } else {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + (TYPE == T_Q4_1 ? 4 : 2)));
+            const __m128i m4 = _mm_set1_epi8(0xF);
+            v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+        }
+        p[t] = int8_sub_dot(TYPE, v, x + 32 * t);
+    }
+    __m256 d, m;
+    group_scales(TYPE, row + g0 * bytes, bytes, &d, &m);
+    const int64_t at = b0 * (K / 32) + g0;
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)),
+                           _mm256_mul_ps(d, _mm256_loadu_ps(xq->d + at)), *acc);
+    if (TYPE != T_Q8_0) *acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xq->xs32 + at), *acc);
+}
+
 /* NB rows of x (b0..) times one weight row, block by block: each block's values are decoded
  * once for all NB rows (in a register of bytes, as the int16 rows' fused_sub). */
 ALWAYS_INLINE void int8_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
@@ -168,7 +201,10 @@ ALWAYS_INLINE void int8_row(int TYPE, int NB, const uint8_t *row, const xquant_t
         acc[i] = _mm256_setzero_ps();
         off[i] = 0.f;
     }
-    for (int64_t blk = 0; blk < blocks; blk++) {
+    int64_t blk = 0;
+    if (NB == 1 && !kq)
+        for (; blk + 8 <= blocks; blk += 8) int8_group(TYPE, row, xq, b0, K, blk, acc);
+    for (; blk < blocks; blk++) {
         const uint8_t *b = row + blk * bytes;
         if (TYPE == T_Q6_K)
             int8_k6(NB, b, xq, b0, K, blk, acc);
