@@ -47,8 +47,8 @@ static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, in
     }
     if (q8) { /* 4-value groups 0 2 4 6 1 3 5 7 after the two packs */
         const __m256i bytes = _mm256_packs_epi16(packed[0], packed[1]);
-        _mm256_storeu_si256((__m256i *)(q8 + 32 * sub),
-                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i *)(q8 + 32 * sub), _mm256_permutevar8x32_epi32(bytes, order));
     }
     *amax_out = amax;
 }
@@ -57,7 +57,7 @@ static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, in
 /* One row of x per 32 values: q (int16) or, where q8 is given, q8 (int8; quant_rows_int8.c),
  * with d, xs, xs32 as xquant_t's. */
 void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
-                           float *xs, float *xs32) {
+                    float *xs, float *xs32) {
     const float qmax = q8 ? 127.f : 32767.f;
     for (int64_t sub = 0; sub < K / 32; sub++) {
         int sum[2] = {0, 0};
@@ -88,4 +88,3 @@ void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8,
         xs32[sub] = scale * (float)(sum[0] + sum[1]);
     }
 }
-

@@ -228,6 +228,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A Q4_0 / Q4_1 block's 32 values (0..15) as bytes, in element order. */
+ALWAYS_INLINE __m256i q4_block_values(int TYPE, const uint8_t *blk) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2)));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+}
+
 /* Q4_K / Q5_K sub-block j's 32 values (0..31) as bytes. */
 ALWAYS_INLINE __m256i k45_sub_values(int TYPE, const uint8_t *blk, int j) {
     const __m256i v = load32(blk + (TYPE == T_Q5_K ? 48 : 16) + 32 * (j / 2));
@@ -248,9 +255,7 @@ ALWAYS_INLINE __m256i fused_sub(
         const float d = half_to_f32(blk);
         s[0] = s[1] = d;
         m[0] = m[1] = TYPE == T_Q4_1 ? half_to_f32(blk + 2) : -8.f * d;
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (TYPE == T_Q4_1 ? 4 : 2)));
-        const __m128i m4 = _mm_set1_epi8(0xF);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+        return q4_block_values(TYPE, blk);
     }
     if (TYPE == T_Q8_0) {
         s[0] = s[1] = half_to_f32(blk);

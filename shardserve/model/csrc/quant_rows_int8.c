@@ -164,19 +164,13 @@ ALWAYS_INLINE void int8_b32(int TYPE, int NB, const uint8_t *b, const xquant_t *
  * to one float step for the 8 (quant_rows_avx2.c's grouping, with vpmaddubsw). */
 ALWAYS_INLINE void int8_group(int TYPE, const uint8_t *row, const xquant_t *xq, int64_t b0,
                               int64_t K, int64_t g0, __m256 *acc) {
-    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : 34;
+    int elems, bytes;
+    block_shape(TYPE, &elems, &bytes);
     const int8_t *x = xq->q8 + b0 * K + 32 * g0;
     __m256i p[8];
     for (int t = 0; t < 8; t++) {
         const uint8_t *b = row + (g0 + t) * bytes;
-        __m256i v;
-        if (TYPE == T_Q8_0) {
-            v = load32(b + 2);
-        } else {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + (TYPE == T_Q4_1 ? 4 : 2)));
-            const __m128i m4 = _mm_set1_epi8(0xF);
-            v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-        }
+        const __m256i v = TYPE == T_Q8_0 ? load32(b + 2) : q4_block_values(TYPE, b);
         p[t] = int8_sub_dot(TYPE, v, x + 32 * t);
     }
     __m256 d, m;
@@ -191,10 +185,10 @@ ALWAYS_INLINE void int8_group(int TYPE, const uint8_t *row, const xquant_t *xq, 
  * once for all NB rows (in a register of bytes, as the int16 rows' fused_sub). */
 ALWAYS_INLINE void int8_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
                             int64_t K, float *res) {
-    const int kq = TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K;
-    const int bytes = TYPE == T_Q4_0 ? 18 : TYPE == T_Q4_1 ? 20 : TYPE == T_Q8_0 ? 34
-                    : TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
-    const int64_t blocks = K / (kq ? 256 : 32);
+    int elems, bytes;
+    block_shape(TYPE, &elems, &bytes);
+    const int kq = elems == 256;
+    const int64_t blocks = K / elems;
     __m256 acc[FUSED_MAX_B]; /* the offsets' share too: 8 rows of x fill 8 of 16 registers */
     float off[FUSED_MAX_B];
     for (int i = 0; i < NB; i++) {
