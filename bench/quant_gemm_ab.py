@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
 from test_quantization import random_blocks  # noqa: E402
 
+from shardserve import envs  # noqa: E402
 from shardserve.model import native_kernels as nk  # noqa: E402
 from shardserve.model import quantization as q  # noqa: E402
 
@@ -85,6 +86,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     old = ctypes.CDLL(str(args.old_lib.expanduser()))
     nk._declare(old)
+    if envs.int8_activations():  # the old library in the mode the new one loaded in
+        old.quant_set_int8_activations(1)
     new = nk.library()
     if new is None:
         sys.exit("this checkout's kernels did not build (see the log above)")

@@ -200,6 +200,8 @@ ALWAYS_INLINE void int8_row(int TYPE, int NB, const uint8_t *row, const xquant_t
         for (; blk + 8 <= blocks; blk += 8) int8_group(TYPE, row, xq, b0, K, blk, acc);
     for (; blk < blocks; blk++) {
         const uint8_t *b = row + blk * bytes;
+        for (int l = 0; NB == 1 && l < bytes; l += 64) /* 1.00-1.06x, as the int16 rows' */
+            _mm_prefetch((const char *)b + 2048 + l, _MM_HINT_T0);
         if (TYPE == T_Q6_K)
             int8_k6(NB, b, xq, b0, K, blk, acc);
         else if (kq)
