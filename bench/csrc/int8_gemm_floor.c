@@ -13,6 +13,8 @@
  *               16 rows' scales x x's scale, plus the rows' mins x x's sum (per-32 x scales)
  *   i8-avx2     int8 x, u8 panel, vpmaddubsw + vpmaddwd(1), no scales  (AVX2's int8 ceiling)
  *   i8-avx2-32  the same with the float step per 32 columns
+ *   i16-avx2    int16 x, int16 panel, vpmaddwd + vpaddd, no scales   (the int16 rows' precision)
+ *   i16-avx2-32 the same with the float step per 32 columns
  *
  *   gcc -O3 -march=native -fopenmp bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
  *   /tmp/int8_floor            prints GMAC/s per kind (kinds this CPU lacks are skipped)
@@ -97,6 +99,48 @@ static void i8_avx2(bufs *u, int scaled) {
                 _mm256_storeu_ps(u->out + (b + r) * NT + h,
                                  _mm256_add_ps(accf[r], _mm256_cvtepi32_ps(acc[r])));
         }
+}
+
+/* int16 x (2 columns a broadcast word) times int16 panel words [K/2][NT] (2 columns a lane):
+ * vpmaddwd + vpaddd, 3 rows x 16 outputs; with `scaled`, a float step per 32 columns. The
+ * precision of the engine's int16 rows (x int16 per 32) at twice float32 FMA's products per
+ * instruction: AVX2 has no fused int16 multiply-accumulate, so each product costs an add. */
+static void i16_avx2(bufs *u, int scaled) {
+    for (int b = 0; b < B; b += 3) {
+        __m256 accf[3][2];
+        __m256i acc[3][2];
+        for (int r = 0; r < 3; r++)
+            for (int h = 0; h < 2; h++) accf[r][h] = _mm256_setzero_ps(), acc[r][h] = _mm256_setzero_si256();
+        for (int g = 0; g < K / 32; g++) {
+            for (int q = 0; q < 16; q++) {
+                const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2;
+                const __m256i w0 = _mm256_load_si256((const __m256i *)p);
+                const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 16));
+                for (int r = 0; r < 3; r++) {
+                    int32_t xw;
+                    memcpy(&xw, u->xh + (b + r) * K + 32 * g + 2 * q, 4);
+                    const __m256i xb = _mm256_set1_epi32(xw);
+                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
+                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
+                }
+            }
+            if (scaled)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 dw = _mm256_loadu_ps(u->dw + g * NT + 8 * h), mw = _mm256_loadu_ps(u->mw + g * NT + 8 * h);
+                    for (int r = 0; r < 3; r++) {
+                        const int o = (b + r) * (K / 32) + g;
+                        accf[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]),
+                                                     _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r][h]);
+                        accf[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r][h]);
+                        acc[r][h] = _mm256_setzero_si256();
+                    }
+                }
+        }
+        for (int r = 0; r < 3; r++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(u->out + (b + r) * NT + 8 * h,
+                                 _mm256_add_ps(accf[r][h], _mm256_cvtepi32_ps(acc[r][h])));
+    }
 }
 #endif
 
@@ -207,6 +251,8 @@ int main(void) {
     measure("f32-bcast", f32_bcast_, 0);
     measure("i8-avx2", i8_avx2, 0);
     measure("i8-avx2-32", i8_avx2, 1);
+    measure("i16-avx2", i16_avx2, 0);
+    measure("i16-avx2-32", i16_avx2, 1);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     measure("bf16-dot", bf16_dot_, 0);
