@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     old = ctypes.CDLL(str(args.old_lib.expanduser()))
-    nk._declare(old)
+    nk._declare(old, strict=False)
     if envs.int8_activations():  # the old library in the mode the new one loaded in
         old.quant_set_int8_activations(1)
     new = nk.library()

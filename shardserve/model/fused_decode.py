@@ -1,12 +1,12 @@
 """A decode step through a stage's whole stack of quantized decoder layers in one C call
 (csrc/decode_layers.c, whose header lists the per-layer sequence).
 
-Applies to steps whose rows are all decodes, at most `rows_max` of them (the most rows every
-weight's product gives the row kernels, quantization.rows_max: larger batches take the panel
-GEMM layer by layer; a verify step of 1 + k speculative positions is such rows too), with one
-tensor-parallel rank (nothing to all-reduce between the products), the native kernels built,
-and every linear of every layer quantized, in up to three row segments (a Q4_K_M file's q/k/v
-mixes Q4_K and Q6_K). The C side calls the same kernels the layer-by-layer path calls, segment
+Applies to steps whose rows are all decodes, any number of them (each product takes the row
+kernels up to its segment's quantization.rows_max rows and the panel GEMM past them, as the
+layer-by-layer path chooses; a verify step of 1 + k speculative positions is such rows too),
+with one tensor-parallel rank (nothing to all-reduce between the products), the native kernels
+built, and every linear of every layer quantized, in up to three row segments (a Q4_K_M file's
+q/k/v mixes Q4_K and Q6_K). The C side calls the same kernels the layer-by-layer path calls, segment
 by segment, in the same order, so the hidden states are bit-identical; what goes is ~2 ms of
 Python a step on the default model (SHARDSERVE_FUSED_DECODE=0 turns it off).
 
@@ -23,7 +23,7 @@ import torch
 
 from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import native_kernels
+from shardserve.model import native_kernels, quantization
 
 if TYPE_CHECKING:
     from shardserve.model.attention import AttentionMetadata
@@ -36,7 +36,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class _Segment(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("row_bytes", _i64), ("rows", _i64), ("type", _i64)]
+    _fields_ = [("w", _ptr), ("row_bytes", _i64), ("rows", _i64), ("type", _i32),
+                ("rows_max", _i32)]
 
 
 _MAX_SEGMENTS = 3  # decode_layers.c's DL_MAX_SEGMENTS
@@ -68,7 +69,7 @@ class _Step(ctypes.Structure):
          ("num_threads", _i32), ("unused", _i32), ("lora_slots", _ptr)]
 
 
-def _matrix(layer: MatmulLayer) -> _Matrix | None:
+def _matrix(layer: MatmulLayer, dtype: torch.dtype) -> _Matrix | None:
     """The kernel arguments of a quantized weight (its row segments in order, a Q4_K_M file's
     mixed q/k/v too); None for anything else."""
     qweight = layer.qweight
@@ -79,7 +80,7 @@ def _matrix(layer: MatmulLayer) -> _Matrix | None:
         if offset != row:
             return None
         segs.append(_Segment(seg.data.data_ptr(), seg.data.stride(0), seg.shape[0],
-                             seg.ggml_type))
+                             seg.ggml_type, quantization.rows_max(seg.ggml_type, dtype)))
         row += seg.shape[0]
     matrix = _Matrix(nseg=len(segs), rows=qweight.rows)
     for i, seg in enumerate(segs):
@@ -104,7 +105,7 @@ class FusedDecode:
     """The layer table of one stage, and the call that runs a decode step through it."""
 
     def __init__(self, layers: list[LlamaDecoderLayer], dtype: torch.dtype,
-                 table: ctypes.Array, takes_lora: bool, rows_max: int) -> None:
+                 table: ctypes.Array, takes_lora: bool) -> None:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.dtype = dtype
@@ -119,7 +120,6 @@ class FusedDecode:
         qkv_lora = attn.qkv_proj.lora
         self._lora_batch = None if qkv_lora is None else qkv_lora.batch
         self.takes_lora = takes_lora  # False: the adapters' slots do not fit the C side
-        self.rows_max = rows_max
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
@@ -128,13 +128,11 @@ class FusedDecode:
                 get_tp_group().world_size != 1 or \
                 not native_kernels.supports(dtype, torch.device("cpu")):
             return None
-        entries, takes_lora, rows_max = [], True, 1 << 30
+        entries, takes_lora = [], True
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            mats = [_matrix(m) for m in modules]
-            rows_max = min([rows_max] + [m.qweight.rows_max(dtype) for m in modules
-                                         if m.qweight is not None])
+            mats = [_matrix(m, dtype) for m in modules]
             loras = [_lora(m) for m in modules]
             takes_lora = takes_lora and all(entry is not None for entry in loras)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -148,7 +146,7 @@ class FusedDecode:
             entries.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
                                   None if bias is None else bias.data_ptr(), None, *mats,
                                   *(entry or _Lora() for entry in loras)))
-        return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora, rows_max)
+        return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora)
 
     def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
         """Whether this step can run fused: decode rows only, in flat order, few enough."""
@@ -156,7 +154,7 @@ class FusedDecode:
         return (
             g is not None and meta.prefill is None and g.query_index is None
             and meta.context is None  # context parallel attention runs layer by layer
-            and meta.output_index is None and meta.num_tokens <= self.rows_max
+            and meta.output_index is None
             and x.dtype == self.dtype and x.device.type == "cpu"
             and (self.takes_lora or not self._lora_active())
         )

@@ -120,7 +120,9 @@ def using(lib: ctypes.CDLL) -> Iterator[None]:
         _override = previous
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, strict: bool = True) -> None:
+    """Argument and result types of lib's entry points; `strict`: each must exist (else an older
+    library's, as a benchmark loads one beside this checkout's: those it has)."""
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "decode_attention": [ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
@@ -137,6 +139,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "quant_set_int8_activations": [i32],
         "quant_int8_activations": [],
         "quant_can_tile": [],
+        "quant_gemm_int16": [i32],
         "quant_retile": [i32, ptr, i64, ptr, i64, i64],
         "decode_layers": [ptr, i64, ptr],
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,
@@ -146,6 +149,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cp_merge": [ptr, ptr, ptr, i64, i64, i64, i32],
     }
     for name, argtypes in signatures.items():
+        if not strict and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = argtypes

@@ -11,6 +11,8 @@ per block) with one scale per row, so one kernel serves both.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -55,6 +57,10 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # rows: with bfloat16 x they took 0.43-0.85x the GEMM's time at 8 rows and 0.67-0.89x at 16
 # (two passes of 8; default model's and 1B's shapes, Zen 4), 0.75-1.22x at 24; T4K / T6K with
 # float32 x as the K-quants.
+# Where the GEMM multiplies with int16 x (AVX2 builds, csrc/quant_gemm_i16.c) it beat the rows
+# from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
+# the rows still win at 8: 0.7x-0.95x).
+ROWS_MAX_INT16_GEMM = 8
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
@@ -65,6 +71,8 @@ _KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max w
 
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
+    if gemm_int16(ggml_type):
+        return ROWS_MAX_INT16_GEMM
     if x_dtype != torch.float32:
         return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
     return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANT_ROWS else ROWS_MAX_F32
@@ -224,6 +232,22 @@ def gemm_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     """out = x @ W.T as matmul_into, for many rows of x: the weight decoded panel by panel to
     float32 and reused by every row (csrc/quant_gemm.c), no dense copy kept."""
     _product("quant_gemm", out, x, w)
+
+
+def gemm_int16(ggml_type: int) -> bool:
+    """Whether gemm_into multiplies weights of this type with x quantized to int16 (the AVX2
+    builds: csrc/quant_gemm_i16.c), at the integer path's precision; else float32 panels (and
+    False without the kernels)."""
+    try:
+        lib = native_kernels.lib()
+    except RuntimeError:
+        return False
+    return _gemm_int16(lib, ggml_type)
+
+
+@functools.cache
+def _gemm_int16(lib: ctypes.CDLL, ggml_type: int) -> bool:
+    return bool(lib.quant_gemm_int16(ggml_type))
 
 
 def _product(kernel: str, out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:

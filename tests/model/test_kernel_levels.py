@@ -26,8 +26,12 @@ depends on what was computed (`kind`, the looser of the two sides'):
 - INT16_X: where one side took the integer path (x quantized to int16 per 32: each element
   moves by up to half a step, 2^-16 of its 32's largest |x|) and the other a panel GEMM (x as
   it is; where rows_max differs between levels, as for the tiles), an output may also move by
-  2^-16 of |W| @ (each x's 32's largest |x|) (2^-15 asserted). Both sides on the integer path
-  quantize x alike: REORDERED.
+  2^-16 of |W| @ (each x's 32's largest |x|) (2^-14 asserted, as for INT16_GEMM below). Both
+  sides on the integer path quantize x alike: REORDERED.
+- INT16_GEMM: quant_gemm on an AVX2 build (csrc/quant_gemm_i16.c) quantizes x per 32 values
+  to int16 at most 16383 (half a step: 2^-15 of its 32's largest |x|): against any other kind,
+  an output may move by 2^-15 of |W| @ (each x's 32's largest |x|) besides the other side's
+  rounding (2^-14 asserted in all, for either or both).
 - BF16_WEIGHTS: quant_gemm with bfloat16 x on a build with AVX512_BF16 decodes the weights to
   bfloat16 panels (vdpbf16ps), where the other builds keep them float32: each weight moves by
   up to 2^-9 of itself, so an output by up to 2^-9 of |x| @ |W| (2^-8 asserted), besides the
@@ -52,13 +56,18 @@ pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compil
 
 EXACT, REORDERED, BF16_WEIGHTS = 0, 1, 2
 INT16_X = 3  # the integer path's kind; compared with another path's, adds its x's rounding
+INT16_GEMM = 4  # the AVX2 GEMM's: x rounded to int16 at 16383
+INT16_KINDS = {INT16_X, INT16_GEMM}
 Result = tuple[torch.Tensor, int]  # what an entry point computed, and its kind
 N, K = 48, 512  # K: two Q4_K blocks, 16 sub-blocks: every repacked scale group is whole
 
 
-def gemm_kind(x: torch.Tensor) -> int:
-    """quant_gemm multiplies bfloat16 x by bfloat16 weight panels (vdpbf16ps) on a build with
-    AVX512_BF16 (csrc/quant_gemm.c's GEMM_BF16), by float32 panels otherwise."""
+def gemm_kind(x: torch.Tensor, w: q.QuantWeight) -> int:
+    """quant_gemm multiplies int16 x by int16 panels on an AVX2 build (quant_gemm_i16.c),
+    bfloat16 x by bfloat16 weight panels (vdpbf16ps) on a build with AVX512_BF16
+    (csrc/quant_gemm.c's GEMM_BF16), by float32 panels otherwise."""
+    if q.gemm_int16(w.segments[0][1].ggml_type):
+        return INT16_GEMM
     features = set(kernel_levels.isa_features(nk.lib()))
     bf16 = x.dtype == torch.bfloat16 and {"AVX512F", "AVX512BF16"} <= features
     return BF16_WEIGHTS if bf16 else REORDERED
@@ -67,7 +76,7 @@ def gemm_kind(x: torch.Tensor) -> int:
 def matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
     """QuantWeight.matmul as the model calls it: quant_matmul up to rows_max rows of x,
     quant_gemm past them."""
-    return w.matmul(x), INT16_X if x.shape[0] <= w.rows_max(x.dtype) else gemm_kind(x)
+    return w.matmul(x), INT16_X if x.shape[0] <= w.rows_max(x.dtype) else gemm_kind(x, w)
 
 
 def quant_matmul(w: q.QuantWeight, x: torch.Tensor) -> Result:
@@ -81,7 +90,7 @@ def quant_gemm(w: q.QuantWeight, x: torch.Tensor) -> Result:
     """The batched path itself (csrc/quant_gemm.c), at every row count."""
     out = torch.empty(x.shape[0], N, dtype=x.dtype)
     q.gemm_into(out, x, w.segments[0][1])
-    return out, gemm_kind(x)
+    return out, gemm_kind(x, w)
 
 
 def dequantize_rows(w: q.QuantWeight, x: torch.Tensor) -> Result:
@@ -153,11 +162,11 @@ def run(level_library):
 
 @functools.cache
 def x_rounding(weight: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """2^-15 of |W| @ (each x's 32's largest |x|): what x's int16 rounding may move an output."""
+    """2^-14 of |W| @ (each x's 32's largest |x|): what x's int16 roundings may move an output."""
     with nk.using(nk.build_level("portable")):
         values = blocks(weight).dequantize(torch.float32)
     x = x_rows(rows, dtype).double().abs().reshape(rows, K // 32, 32)
-    return 2.0**-15 * (x.amax(-1).repeat_interleave(32, -1) @ values.double().abs().T)
+    return 2.0**-14 * (x.amax(-1).repeat_interleave(32, -1) @ values.double().abs().T)
 
 
 def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: torch.Tensor | None,
@@ -186,8 +195,9 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
     want, want_kind, portable_type = run("portable", weight, entry, rows, dtype)
     assert portable_type == (WEIGHTS[weight] or q.Q8_0)  # the portable build never repacks
     prods = abs_products(weight, rows, dtype) if entry != "dequantize_rows" else None
-    kinds = {kind, want_kind} - {INT16_X}
-    mixed = INT16_X in (kind, want_kind) and kinds  # one side integer, the other not
+    kinds = {kind, want_kind} - INT16_KINDS
+    mixed = kind != want_kind and {kind, want_kind} & INT16_KINDS  # x rounded on one side only
+    # (or to other steps)
     assert_agrees(got, want, max(kinds) if kinds else REORDERED, prods,
                   x_rounding(weight, rows, dtype) if mixed else None)
 

@@ -32,14 +32,15 @@
 #include "kernels_common.h"
 
 /* One quantized weight: row ranges (segments) one after another, each `rows` rows of ggml
- * `type` blocks, row_bytes apart. Several where a fused weight's pieces differ in type (a
+ * `type` blocks, row_bytes apart, multiplied by the row kernels (quant_matmul) up to rows_max
+ * rows of x and by the panel GEMM (quant_gemm) past them, as quantization.py chooses. Several where a fused weight's pieces differ in type (a
  * Q4_K_M file's q/k in Q4_K beside a Q6_K v) or lie apart in the file. */
 #define DL_MAX_SEGMENTS 3
 typedef struct {
     const uint8_t *w;
     int64_t row_bytes;
     int64_t rows;
-    int64_t type;
+    int32_t type, rows_max;
 } dl_segment_t;
 
 typedef struct {
@@ -91,9 +92,9 @@ static int matmul(const dl_matrix_t *m, const dl_step_t *s, void *out, int64_t o
     int64_t row = 0;
     for (int64_t i = 0; i < m->nseg; i++) {
         const dl_segment_t *g = m->seg + i;
-        const int rc = quant_matmul((char *)out + (size_t)row * es, out_stride, s->dtype, x, K,
-                                    s->dtype, g->w, g->row_bytes, (int)g->type, s->B, g->rows, K,
-                                    s->num_threads);
+        const int rc = (s->B <= g->rows_max ? quant_matmul : quant_gemm)(
+            (char *)out + (size_t)row * es, out_stride, s->dtype, x, K, s->dtype, g->w,
+            g->row_bytes, g->type, s->B, g->rows, K, s->num_threads);
         if (rc) return rc;
         row += g->rows;
     }

@@ -66,6 +66,7 @@ int quant_block_shape(int type, int *elems, int *bytes);
 int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
                int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,
                int64_t K, int num_threads);
+int quant_gemm_int16(int type);
 
 /* lora_kernels.c */
 int lora_add(void *out, int64_t out_stride, int dtype, const void *x, int64_t x_stride,

@@ -1,6 +1,7 @@
 /*
  * x's quantization per 32 values for the integer products (quant_kernels.c step 1): int16 (xd =
  * max|x| / 32767) or, with the opt-in int8 activations (quant_rows_int8.c), int8 (max|x| / 127);
+ * the int16 GEMM's (quant_gemm_i16.c) at most 16383, so that 32 products fit an int32;
  * the SIMD path computes what the portable loop does, bit for bit.
  */
 #include <math.h>
@@ -25,7 +26,7 @@ static inline int hsum8_epi32(__m256i v) {
  * same product rounded to nearest even): it ran once per product, serially, ~4 ns a value.
  * Into q (int16, qmax 32767) or, where q8 is given, q8 (int8, qmax 127). */
 static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, int8_t *q8,
-                           float *amax_out, int *sum) {
+                           float qmax, float *amax_out, int *sum) {
     __m256 v[4], amax8 = _mm256_setzero_ps();
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int l = 0; l < 4; l++) {
@@ -35,7 +36,7 @@ static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, in
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? (q8 ? 127.f : 32767.f) / amax : 0.f);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
     __m256i qi[4], packed[2];
     for (int l = 0; l < 4; l++) qi[l] = _mm256_cvtps_epi32(_mm256_mul_ps(v[l], inv));
     for (int h = 0; h < 2; h++) {
@@ -54,16 +55,15 @@ static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, in
 }
 #endif
 
-/* One row of x per 32 values: q (int16) or, where q8 is given, q8 (int8; quant_rows_int8.c),
- * with d, xs, xs32 as xquant_t's. */
-void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
-                    float *xs, float *xs32) {
-    const float qmax = q8 ? 127.f : 32767.f;
+/* One row of x per 32 values at most qmax: q (int16) or, where q8 is given, q8 (int8), with d,
+ * xs (where given), xs32 as xquant_t's. */
+static void quantize_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
+                         float *xs, float *xs32, float qmax) {
     for (int64_t sub = 0; sub < K / 32; sub++) {
         int sum[2] = {0, 0};
         float amax = 0.f;
 #if QK_SIMD
-        quantize_x_sub(x, sub, dtype, q, q8, &amax, sum);
+        quantize_x_sub(x, sub, dtype, q, q8, qmax, &amax, sum);
 #else
         float v[32];
         for (int l = 0; l < 32; l++) {
@@ -83,8 +83,20 @@ void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8,
 #endif
         const float scale = amax / qmax;
         d[sub] = scale;
-        xs[2 * sub] = scale * (float)sum[0];
-        xs[2 * sub + 1] = scale * (float)sum[1];
+        if (xs != NULL) {
+            xs[2 * sub] = scale * (float)sum[0];
+            xs[2 * sub + 1] = scale * (float)sum[1];
+        }
         xs32[sub] = scale * (float)(sum[0] + sum[1]);
     }
+}
+
+void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
+                    float *xs, float *xs32) {
+    quantize_row(x, K, dtype, q, q8, d, xs, xs32, q8 ? 127.f : 32767.f);
+}
+
+void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, float *d,
+                        float *xs32) {
+    quantize_row(x, K, dtype, q, NULL, d, NULL, xs32, qmax);
 }

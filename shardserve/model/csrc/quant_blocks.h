@@ -181,6 +181,27 @@ static inline void transpose8x8_epi16(const __m256i *x, __m256i *v) {
     }
 }
 
+/* The 8 x 8 float32 (or int32: a pair of int16) matrix at src (rows ss apart) transposed to dst
+ * (rows ds apart, 32-byte aligned): the GEMMs' K-major panels (quant_gemm.c, quant_gemm_i16.c). */
+static inline void transpose8x8_ps(const float *src, int64_t ss, float *dst, int64_t ds) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_store_ps(dst + i * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_store_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
 /* 8 floats to bfloat16, rounded to nearest even (weights are finite: no NaN case). */
 static inline __m128i f32x8_to_bf16(__m256 v) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -345,6 +366,15 @@ ALWAYS_INLINE __m512 k4_scale(int j, int min, __m512i a, __m512i b, __m512i c) {
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads);
+/* quant_gemm_i16.c: quant_gemm's tiles with int16 x (AVX2 builds): whether it takes a type,
+ * its scratch per thread, row b of x quantized into xq (q [B, K], d and xs32 [B, K / 32]), and
+ * a tile's otile [B, 16] = x @ W[n0 .. n0 + nt)^T. */
+int gemm_i16_takes(int type);
+size_t gemm_i16_scratch_bytes(void);
+void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t K,
+                         const xquant_t *xq);
+void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
+                   int64_t K, int64_t n0, int64_t nt, void *scratch, float *otile);
 /* quant_tiles.c: whether this build computes tiles on its SIMD path (AVX-512 BW/VL, F16C). */
 int quant_can_tile(void);
 /* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
@@ -364,4 +394,7 @@ static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
  * given, q8 (int8), with d, xs, xs32 as xquant_t's. */
 void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
                     float *xs, float *xs32);
+/* The same into q (int16) at most qmax, with d and xs32 only (quant_gemm_i16.c). */
+void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, float *d,
+                        float *xs32);
 #endif

@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels_common.h"
+#include "quant_blocks.h"
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -199,25 +199,6 @@ static void micro_bf16_any(int mr, int nc, const uint16_t *x, int64_t xs, const 
  * (bfloat16 x keeps micro_bf16's dot products: measured with pairs broadcast into vdpbf16ps on
  * Zen 4, 0.87-0.93x at 16-32 rows, 1.01-1.06x at 512, where micro_bf16 is at the peak already.)
  */
-static void transpose8(const float *src, int64_t ss, float *dst) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ss);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_store_ps(dst + i * NT, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_store_ps(dst + (i + 4) * NT, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-}
-
 /* otile[r * NT + 0 .. NT) += x[r] . pt[.][0 .. NT) over kc columns, for mr <= BR rows. */
 ALWAYS_INLINE void micro_bc(int mr, const float *x, int64_t xs, const float *pt, int64_t kc,
                             float *otile) {
@@ -260,7 +241,7 @@ static void micro_bc_any(int mr, const float *x, int64_t xs, const float *pt, in
 static void panel_k_major(float *rm, int64_t nt, int64_t kc, float *pt) {
     for (int64_t c = nt; c < NT; c++) memset(rm + c * PS, 0, sizeof(float) * (size_t)kc);
     for (int64_t k = 0; k < kc; k += 8)
-        for (int64_t c = 0; c < NT; c += 8) transpose8(rm + c * PS + k, PS, pt + k * NT + c);
+        for (int64_t c = 0; c < NT; c += 8) transpose8x8_ps(rm + c * PS + k, PS, pt + k * NT + c, NT);
 }
 #endif
 
@@ -351,6 +332,9 @@ static const float *x_as_f32(const void *x, int64_t x_stride, int dtype, int64_t
     return *copy;
 }
 
+/* Whether quant_gemm multiplies weights of this type with int16 x (quant_gemm_i16.c). */
+int quant_gemm_int16(int type) { return gemm_i16_takes(type); }
+
 /*
  * out[b * out_stride + n] = sum_k x[b * x_stride + k] * W[n, k] for b < B, n < N: quant_matmul's
  * contract (same arguments, dtypes 0 f32 / 1 bf16), for any B. Returns 0, -1 when out of
@@ -363,19 +347,32 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
     if (!quant_block_shape(type, &elems, &bytes) || K % elems || K % VL || KC % elems ||
         row_bytes < K / elems * bytes)
         return -2;
-    /* bfloat16 x with unit stride on a bfloat16-dot CPU: multiplied as it is. */
-    const int bf16 = GEMM_BF16 && dtype == DT_BF16 && K % 32 == 0;
+    /* AVX2 builds: int16 x and panels (quant_gemm_i16.c). Else bfloat16 x with unit stride on
+     * a bfloat16-dot CPU multiplied as it is; else float32 x. */
+    const int i16 = gemm_i16_takes(type);
+    const int bf16 = !i16 && GEMM_BF16 && dtype == DT_BF16 && K % 32 == 0;
     float *copy = NULL;
     int64_t xs = x_stride;
-    const float *xf = bf16 ? NULL : x_as_f32(x, x_stride, dtype, B, K, &copy, &xs);
-    if (!bf16 && xf == NULL) return -1;
+    const float *xf = bf16 || i16 ? NULL : x_as_f32(x, x_stride, dtype, B, K, &copy, &xs);
+    xquant_t xq = {i16 ? malloc(sizeof(int16_t) * (size_t)(B * K)) : NULL,
+                   i16 ? malloc(sizeof(float) * (size_t)(B * K / 16)) : NULL, NULL, NULL, NULL};
+    if (i16 ? xq.q == NULL || xq.d == NULL : !bf16 && xf == NULL) {
+        free(xq.q), free(xq.d);
+        return -1;
+    }
+    xq.xs32 = i16 ? xq.d + B * K / 32 : NULL;
     const int64_t tiles = (N + NT - 1) / NT;
     const int threads = B * N * K >= GEMM_PARALLEL_MIN ? num_threads : 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* The decoded rows; then (GEMM_BCAST) their K-major copy. */
-        void *panel = aligned_alloc(64, sizeof(float) * (size_t)(NT * PS + GEMM_BCAST * NT * KC));
+        if (i16) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, K, &xq);
+        }
+        /* The decoded rows; then (GEMM_BCAST) their K-major copy. Or quant_gemm_i16.c's. */
+        void *panel = i16 ? malloc(gemm_i16_scratch_bytes())
+                          : aligned_alloc(64, sizeof(float) * (size_t)(NT * PS + GEMM_BCAST * NT * KC));
         float *otile = malloc(sizeof(float) * (size_t)(B * NT));
         /* Every thread enters the loop (a worksharing loop skipped by one would hang the
          * others at its barrier); one without scratch only records the failure. */
@@ -386,13 +383,17 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
                 failed = 1;
                 continue;
             }
-            gemm_tile(w, row_bytes, type, bf16 ? x : (const void *)xf, xs, B, K, n0, nt, panel,
-                      otile, bf16);
+            if (i16)
+                gemm_i16_tile(w, row_bytes, type, &xq, B, K, n0, nt, panel, otile);
+            else
+                gemm_tile(w, row_bytes, type, bf16 ? x : (const void *)xf, xs, B, K, n0, nt,
+                          panel, otile, bf16);
             store_tile(out, out_stride, out_dtype, otile, B, n0, nt);
         }
         free(panel);
         free(otile);
     }
     free(copy);
+    free(xq.q), free(xq.d);
     return failed ? -1 : 0;
 }
