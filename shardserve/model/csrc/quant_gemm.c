@@ -3,14 +3,11 @@
  * out[b, n] = sum_k x[b, k] * W[n, k] for B rows of x (a batched decode, a verify step, a
  * prefill) and W [N, K] as GGML blocks (quant_kernels.c's header draws the layouts).
  *
- * Why float32 and not integers: the batch-1 path (quant_matmul) quantizes x to int16 because
- * there reading W is all a step costs. With many rows of x the cost is the multiply-adds, and
- * on AVX2 an int16 multiply-add (vpmaddwd, then vpaddd) does no more per instruction than a
- * float FMA, while its per-16 weight scales cost extra instructions per row of x; int8
- * activations (vpmaddubsw / VNNI) would be faster but agree with float32 at only ~98% top-1 on
- * the default model. So each weight is decoded once per call to float32 into a small panel
- * (L1/L2-sized) and reused by every row of x: the decode is paid once per weight, the FMAs are
- * the dense kernel's, and the result is as exact as the dequantized float32 model's.
+ * Float32 panels (AVX-512 and portable builds): each weight decoded once per call to float32
+ * into a small panel (L1/L2-sized) reused by every row of x, so the result is as exact as the
+ * dequantized float32 model's; int8 x would be faster but agrees at only ~98% top-1. AVX2
+ * builds take int16 x and panels instead (quant_gemm_i16.c: vpmaddwd does twice a float FMA's
+ * multiply-adds there, at the batch-1 path's int16 precision), in the same tiles and threads.
  *
  *   threads split the N output columns into tiles of NT weight rows (a tile per task):
  *   for each tile:                          out tile [B, NT] accumulated in float (otile)
