@@ -1,6 +1,7 @@
 """The fused decode path (one C call through the layer stack) against the layer-by-layer path it
 replaces: the same kernels in the same order, so logits and KV caches must be bit-identical,
-step after step, with 1-3 decode rows, float32 and bfloat16, with and without q/k/v biases."""
+step after step, with 1-5 decode rows (past the row kernels' rows_max too), float32 and
+bfloat16, with and without q/k/v biases."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.model import native_kernels
+from shardserve.model import native_kernels, quantization
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.llama import LlamaForCausalLM
@@ -94,6 +95,20 @@ def test_lora_adapters_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dtype) -
                         lora_slots=dict.fromkeys(slots, -1))
     adapted, _ = run_steps(model, fused=True, vocab=model.arch.vocab_size, lora_slots=slots)
     assert not torch.equal(base[0], adapted[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_past_the_row_kernels_bit_identical(tiny_qwen2_dir: Path, dtype: torch.dtype,
+                                            monkeypatch) -> None:
+    """Steps of more rows than a weight's rows_max: the fused stack calls the panel GEMM for
+    them (csrc/decode_layers.c), as the layer-by-layer path does. rows_max lowered to 2 (before
+    loading: weights keep theirs), so the 5- and 3-row steps take it."""
+    for name in ("ROWS_MAX_INT16_GEMM", "ROWS_MAX_BF16", "ROWS_MAX_F32", "ROWS_MAX_F32_KQUANT",
+                 "ROWS_MAX_TILES"):
+        monkeypatch.setattr(quantization, name, 2)
+    model = load(tiny_qwen2_dir, dtype, "int8")
+    assert model.model.layers[0].mlp.down_proj.qweight.rows_max(dtype) == 2
+    assert_identical(model, model.arch.vocab_size)
 
 
 def _q4_0(w: torch.Tensor) -> QuantizedTensor:
