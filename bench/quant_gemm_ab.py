@@ -3,7 +3,7 @@ the kernel library, in one process, calls alternating round by round (the VM's d
 
     python bench/quant_gemm_ab.py --old-lib ~/.cache/shardserve/kernels/cpu_kernels-HASH.so \
         [--shapes 512x2048x8192,32x2048x8192] [--types 12,14] [--rounds 5] [--dtype bfloat16] \
-        [--product rows --distinct 6]
+        [--product rows --distinct 6] [--tiled]
 
 OLD-LIB: the library an older checkout built (its `native_kernels.library()._name`). Shapes are
 B x K x N (rows of x, input size, output size); weights are random blocks of each GGML type
@@ -44,6 +44,9 @@ def compare(old: ctypes.CDLL, new: ctypes.CDLL, shape: tuple[int, int, int], ggm
     b, k, n = shape
     dtype, rounds = getattr(torch, args.dtype), args.rounds
     ws = [random_blocks(ggml_type, n, k, seed=1 + i) for i in range(args.distinct)]
+    if args.tiled:  # as the loader lays them out where this build tiles (AVX-512): T4K, T6K, ...
+        with nk.using(new):
+            ws = [q.repack(w) for w in ws]
     x = torch.randn(b, k).to(dtype)
     product = q.matmul_into if args.product == "rows" else q.gemm_into
     times: dict[str, list[float]] = {"old": [], "new": []}
@@ -80,6 +83,9 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=1,
                         help="weights per shape, each call cycling through them (6 at Q4_K's 1B "
                         "FFN shape outgrow the caches: products from memory, as decode's)")
+    parser.add_argument("--tiled", action="store_true",
+                        help="weights repacked as the loader does on this build (tiles of 16 "
+                        "rows on AVX-512)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="x's dtype (bfloat16: vdpbf16ps panels where the CPU has them)")
     args = parser.parse_args()

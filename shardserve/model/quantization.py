@@ -55,7 +55,9 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # still win at 32 (0.75-0.98x: their panels decode slowly).
 # The tiles (T4 / T8 / T4K / T6K, csrc/quant_tiles.c) pay the float step once per 16 weight
 # rows: with bfloat16 x they took 0.43-0.85x the GEMM's time at 8 rows and 0.67-0.89x at 16
-# (two passes of 8; default model's and 1B's shapes, Zen 4), 0.75-1.22x at 24; T4K / T6K with
+# (two passes of 8; default model's and 1B's shapes, Zen 4); at 1B's 2048 -> 8192 from memory
+# (4 distinct weights, 2 threads, 2026-12-06) T4K / T6K 0.76x / 0.65x at 16 rows, 0.95x /
+# 0.78x at 24, 0.93x / 0.90x at 32, 0.99x / 1.04x at 48, 1.04x / 1.12x at 64; T4K / T6K with
 # float32 x as the K-quants.
 # Where the GEMM multiplies with int16 x (AVX2 builds, csrc/quant_gemm_i16.c) it beat the rows
 # from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
@@ -64,7 +66,7 @@ ROWS_MAX_INT16_GEMM = 8
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
-ROWS_MAX_TILES = 16
+ROWS_MAX_TILES = 32
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 _KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max with float32 x
 

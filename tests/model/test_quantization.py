@@ -106,7 +106,7 @@ def test_integer_path_every_row_count_and_row_tail(kernels, ggml_type, cols):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
-@pytest.mark.parametrize("rows", [1, 3, 6, 9, 33])  # either side of every rows_max
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 24, 33])  # either side of every rows_max
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype):
     w = random_blocks(ggml_type, 48, 512, seed=100 + ggml_type)
