@@ -367,12 +367,14 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads);
 /* quant_gemm_i16.c: quant_gemm's tiles with int16 x (AVX2 builds): whether it takes a type,
- * its scratch per thread, row b of x quantized into xq (q [B, K], d and xs32 [B, K / 32]), and
- * a tile's otile [B, 16] = x @ W[n0 .. n0 + nt)^T. */
+ * its scratch per thread, the bytes of x's int16 values (xq->q, laid out as its micro-kernel
+ * reads them), row b of x quantized into xq (d and xs32 [B, K / 32]), and a tile's
+ * otile [B, 16] = x @ W[n0 .. n0 + nt)^T. */
 int gemm_i16_takes(int type);
 size_t gemm_i16_scratch_bytes(void);
-void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t K,
-                         const xquant_t *xq);
+size_t gemm_i16_x_bytes(int64_t B, int64_t K);
+void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t B,
+                         int64_t K, const xquant_t *xq);
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
                    int64_t K, int64_t n0, int64_t nt, void *scratch, float *otile);
 /* quant_tiles.c: whether this build computes tiles on its SIMD path (AVX-512 BW/VL, F16C). */

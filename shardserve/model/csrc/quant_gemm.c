@@ -351,7 +351,7 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
     float *copy = NULL;
     int64_t xs = x_stride;
     const float *xf = bf16 || i16 ? NULL : x_as_f32(x, x_stride, dtype, B, K, &copy, &xs);
-    xquant_t xq = {i16 ? malloc(sizeof(int16_t) * (size_t)(B * K)) : NULL,
+    xquant_t xq = {i16 ? malloc(gemm_i16_x_bytes(B, K)) : NULL,
                    i16 ? malloc(sizeof(float) * (size_t)(B * K / 16)) : NULL, NULL, NULL, NULL};
     if (i16 ? xq.q == NULL || xq.d == NULL : !bf16 && xf == NULL) {
         free(xq.q), free(xq.d);
@@ -365,7 +365,7 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
     {
         if (i16) {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, K, &xq);
+            for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, B, K, &xq);
         }
         /* The decoded rows; then (GEMM_BCAST) their K-major copy. Or quant_gemm_i16.c's. */
         void *panel = i16 ? malloc(gemm_i16_scratch_bytes())
