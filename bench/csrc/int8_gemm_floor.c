@@ -106,41 +106,43 @@ static void i8_avx2(bufs *u, int scaled) {
  * precision of the engine's int16 rows (x int16 per 32) at twice float32 FMA's products per
  * instruction: AVX2 has no fused int16 multiply-accumulate, so each product costs an add. */
 static void i16_avx2(bufs *u, int scaled) {
-    for (int b = 0; b < B; b += 3) {
-        __m256 accf[3][2];
-        __m256i acc[3][2];
-        for (int r = 0; r < 3; r++)
-            for (int h = 0; h < 2; h++) accf[r][h] = _mm256_setzero_ps(), acc[r][h] = _mm256_setzero_si256();
-        for (int g = 0; g < K / 32; g++) {
-            for (int q = 0; q < 16; q++) {
-                const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2;
-                const __m256i w0 = _mm256_load_si256((const __m256i *)p);
-                const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 16));
-                for (int r = 0; r < 3; r++) {
-                    int32_t xw;
-                    memcpy(&xw, u->xh + (b + r) * K + 32 * g + 2 * q, 4);
-                    const __m256i xb = _mm256_set1_epi32(xw);
-                    acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
-                    acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
-                }
-            }
-            if (scaled)
-                for (int h = 0; h < 2; h++) {
-                    const __m256 dw = _mm256_loadu_ps(u->dw + g * NT + 8 * h), mw = _mm256_loadu_ps(u->mw + g * NT + 8 * h);
+    for (int b = 0; b < B; b += 3)
+        for (int h = 0; h < NT; h += 16) { /* 16 outputs a pass: two vectors of 8 pairs */
+            __m256 accf[3][2];
+            __m256i acc[3][2];
+            for (int r = 0; r < 3; r++)
+                for (int v = 0; v < 2; v++) accf[r][v] = _mm256_setzero_ps(), acc[r][v] = _mm256_setzero_si256();
+            for (int g = 0; g < K / 32; g++) {
+                for (int q = 0; q < 16; q++) {
+                    const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
+                    const __m256i w0 = _mm256_load_si256((const __m256i *)p);
+                    const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 16));
                     for (int r = 0; r < 3; r++) {
-                        const int o = (b + r) * (K / 32) + g;
-                        accf[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]),
-                                                     _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r][h]);
-                        accf[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r][h]);
-                        acc[r][h] = _mm256_setzero_si256();
+                        int32_t xw;
+                        memcpy(&xw, u->xh + (b + r) * K + 32 * g + 2 * q, 4);
+                        const __m256i xb = _mm256_set1_epi32(xw);
+                        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
+                        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
                     }
                 }
+                if (scaled)
+                    for (int v = 0; v < 2; v++) {
+                        const int c = g * NT + h + 8 * v;
+                        const __m256 dw = _mm256_loadu_ps(u->dw + c), mw = _mm256_loadu_ps(u->mw + c);
+                        for (int r = 0; r < 3; r++) {
+                            const int o = (b + r) * (K / 32) + g;
+                            accf[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]),
+                                                         _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r][v]);
+                            accf[r][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r][v]);
+                            acc[r][v] = _mm256_setzero_si256();
+                        }
+                    }
+            }
+            for (int r = 0; r < 3; r++)
+                for (int v = 0; v < 2; v++)
+                    _mm256_storeu_ps(u->out + (b + r) * NT + h + 8 * v,
+                                     _mm256_add_ps(accf[r][v], _mm256_cvtepi32_ps(acc[r][v])));
         }
-        for (int r = 0; r < 3; r++)
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(u->out + (b + r) * NT + 8 * h,
-                                 _mm256_add_ps(accf[r][h], _mm256_cvtepi32_ps(acc[r][h])));
-    }
 }
 #endif
 
