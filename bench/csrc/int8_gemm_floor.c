@@ -15,6 +15,8 @@
  *   i8-avx2-32  the same with the float step per 32 columns
  *   i16-avx2    int16 x, int16 panel, vpmaddwd + vpaddd, no scales   (the int16 rows' precision)
  *   i16-avx2-32 the same with the float step per 32 columns
+ *   i16-vnni    int16 x and panel, vpdpwssd (AVX-512 VNNI), no scales (the tiles' precision)
+ *   i16-vnni-32 the same with the float step per 32 columns
  *
  *   gcc -O3 -march=native -fopenmp bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
  *   /tmp/int8_floor            prints GMAC/s per kind (kinds this CPU lacks are skipped)
@@ -204,6 +206,44 @@ static void i8_vnni(bufs *u, int scaled) {
                                  _mm512_add_ps(accf[r][h], _mm512_cvtepi32_ps(acc[r][h])));
     }
 }
+/* 6 rows of x x 32 outputs, int16 x pairs and int16 panel words [K/2][NT] (2 columns a lane),
+ * vpdpwssd: the int16 rows' precision on AVX-512 VNNI (what the engine's tiles compute). */
+static void i16_vnni(bufs *u, int scaled) {
+    for (int b = 0; b < B; b += 6) {
+        __m512 accf[6][2];
+        __m512i acc[6][2];
+        for (int r = 0; r < 6; r++)
+            for (int h = 0; h < 2; h++) accf[r][h] = _mm512_setzero_ps(), acc[r][h] = _mm512_setzero_si512();
+        for (int g = 0; g < K / 32; g++) {
+            for (int q = 0; q < 16; q++) {
+                const uint16_t *p = u->ph + (g * 16 + q) * NT * 2;
+                const __m512i w0 = _mm512_load_si512(p), w1 = _mm512_load_si512(p + 32);
+                for (int r = 0; r < 6; r++) {
+                    int32_t xw;
+                    memcpy(&xw, u->xh + (b + r) * K + 32 * g + 2 * q, 4);
+                    const __m512i xb = _mm512_set1_epi32(xw);
+                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, xb);
+                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], w1, xb);
+                }
+            }
+            if (scaled)
+                for (int h = 0; h < 2; h++) {
+                    const __m512 dw = _mm512_loadu_ps(u->dw + g * NT + 16 * h), mw = _mm512_loadu_ps(u->mw + g * NT + 16 * h);
+                    for (int r = 0; r < 6; r++) {
+                        const int o = (b + r) * (K / 32) + g;
+                        accf[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][h]),
+                                                     _mm512_mul_ps(dw, _mm512_set1_ps(u->dx[o])), accf[r][h]);
+                        accf[r][h] = _mm512_fmadd_ps(mw, _mm512_set1_ps(u->sx[o]), accf[r][h]);
+                        acc[r][h] = _mm512_setzero_si512();
+                    }
+                }
+        }
+        for (int r = 0; r < 6; r++)
+            for (int h = 0; h < 2; h++)
+                _mm512_storeu_ps(u->out + (b + r) * NT + 16 * h,
+                                 _mm512_add_ps(accf[r][h], _mm512_cvtepi32_ps(acc[r][h])));
+    }
+}
 #endif
 
 static void fill(bufs *u) {
@@ -260,6 +300,8 @@ int main(void) {
     measure("bf16-dot", bf16_dot_, 0);
     measure("i8-vnni", i8_vnni, 0);
     measure("i8-vnni-32", i8_vnni, 1);
+    measure("i16-vnni", i16_vnni, 0);
+    measure("i16-vnni-32", i16_vnni, 1);
 #endif
     return 0;
 }
