@@ -169,23 +169,28 @@ static void bf16_dot(bufs *u) {
         }
 }
 
-/* 6 rows of x x 32 outputs (two vectors of 16 lanes), vpdpbusd over 4 columns a lane. */
-static void i8_vnni(bufs *u, int scaled) {
+/* 6 rows of x x 32 outputs (two vectors of 16 lanes): int8 x and u8 panel words [K/4][NT],
+ * vpdpbusd over 4 columns a lane; or (i16) int16 x and int16 panel words [K/2][NT], vpdpwssd
+ * over 2 (the int16 rows' precision on AVX-512 VNNI: what the engine's tiles compute). */
+static inline __attribute__((always_inline)) void vnni_6x32(bufs *u, int scaled, int i16) {
     for (int b = 0; b < B; b += 6) {
         __m512 accf[6][2];
         __m512i acc[6][2];
         for (int r = 0; r < 6; r++)
             for (int h = 0; h < 2; h++) accf[r][h] = _mm512_setzero_ps(), acc[r][h] = _mm512_setzero_si512();
         for (int g = 0; g < K / 32; g++) {
-            for (int q = 0; q < 8; q++) {
-                const uint8_t *p = u->p8 + (g * 8 + q) * NT * 4;
+            for (int q = 0; q < (i16 ? 16 : 8); q++) {
+                const uint8_t *p = i16 ? (const uint8_t *)(u->ph + (g * 16 + q) * NT * 2)
+                                       : u->p8 + (g * 8 + q) * NT * 4;
                 const __m512i w0 = _mm512_load_si512(p), w1 = _mm512_load_si512(p + 64);
                 for (int r = 0; r < 6; r++) {
                     int32_t xw;
-                    memcpy(&xw, u->x8 + (b + r) * K + 32 * g + 4 * q, 4);
+                    memcpy(&xw, i16 ? (const void *)(u->xh + (b + r) * K + 32 * g + 2 * q)
+                                    : (const void *)(u->x8 + (b + r) * K + 32 * g + 4 * q), 4);
                     const __m512i xb = _mm512_set1_epi32(xw);
-                    acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
-                    acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+                    for (int h = 0; h < 2; h++)
+                        acc[r][h] = i16 ? _mm512_dpwssd_epi32(acc[r][h], h ? w1 : w0, xb)
+                                        : _mm512_dpbusd_epi32(acc[r][h], h ? w1 : w0, xb);
                 }
             }
             if (scaled)
@@ -206,44 +211,9 @@ static void i8_vnni(bufs *u, int scaled) {
                                  _mm512_add_ps(accf[r][h], _mm512_cvtepi32_ps(acc[r][h])));
     }
 }
-/* 6 rows of x x 32 outputs, int16 x pairs and int16 panel words [K/2][NT] (2 columns a lane),
- * vpdpwssd: the int16 rows' precision on AVX-512 VNNI (what the engine's tiles compute). */
-static void i16_vnni(bufs *u, int scaled) {
-    for (int b = 0; b < B; b += 6) {
-        __m512 accf[6][2];
-        __m512i acc[6][2];
-        for (int r = 0; r < 6; r++)
-            for (int h = 0; h < 2; h++) accf[r][h] = _mm512_setzero_ps(), acc[r][h] = _mm512_setzero_si512();
-        for (int g = 0; g < K / 32; g++) {
-            for (int q = 0; q < 16; q++) {
-                const uint16_t *p = u->ph + (g * 16 + q) * NT * 2;
-                const __m512i w0 = _mm512_load_si512(p), w1 = _mm512_load_si512(p + 32);
-                for (int r = 0; r < 6; r++) {
-                    int32_t xw;
-                    memcpy(&xw, u->xh + (b + r) * K + 32 * g + 2 * q, 4);
-                    const __m512i xb = _mm512_set1_epi32(xw);
-                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], w0, xb);
-                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], w1, xb);
-                }
-            }
-            if (scaled)
-                for (int h = 0; h < 2; h++) {
-                    const __m512 dw = _mm512_loadu_ps(u->dw + g * NT + 16 * h), mw = _mm512_loadu_ps(u->mw + g * NT + 16 * h);
-                    for (int r = 0; r < 6; r++) {
-                        const int o = (b + r) * (K / 32) + g;
-                        accf[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][h]),
-                                                     _mm512_mul_ps(dw, _mm512_set1_ps(u->dx[o])), accf[r][h]);
-                        accf[r][h] = _mm512_fmadd_ps(mw, _mm512_set1_ps(u->sx[o]), accf[r][h]);
-                        acc[r][h] = _mm512_setzero_si512();
-                    }
-                }
-        }
-        for (int r = 0; r < 6; r++)
-            for (int h = 0; h < 2; h++)
-                _mm512_storeu_ps(u->out + (b + r) * NT + 16 * h,
-                                 _mm512_add_ps(accf[r][h], _mm512_cvtepi32_ps(acc[r][h])));
-    }
-}
+
+static void i8_vnni(bufs *u, int scaled) { vnni_6x32(u, scaled, 0); }
+static void i16_vnni(bufs *u, int scaled) { vnni_6x32(u, scaled, 1); }
 #endif
 
 static void fill(bufs *u) {
