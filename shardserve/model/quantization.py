@@ -58,7 +58,8 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # (two passes of 8; default model's and 1B's shapes, Zen 4); at 1B's 2048 -> 8192 from memory
 # (4 distinct weights, 2 threads, 2026-12-06) T4K / T6K 0.76x / 0.65x at 16 rows, 0.95x /
 # 0.78x at 24, 0.93x / 0.90x at 32, 0.99x / 1.04x at 48, 1.04x / 1.12x at 64; T4K / T6K with
-# float32 x as the K-quants.
+# float32 x as the K-quants. T4 / T8 at the default model's shapes (bfloat16 x): 0.79-0.85x at
+# 32 rows at 3072 x 576 but 1.12-1.17x at 576 x 1536 (0.88-0.96x at 16), so they stay at 16.
 # Where the GEMM multiplies with int16 x (AVX2 builds, csrc/quant_gemm_i16.c) it beat the rows
 # from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
 # the rows still win at 8: 0.7x-0.95x).
@@ -66,7 +67,8 @@ ROWS_MAX_INT16_GEMM = 8
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
-ROWS_MAX_TILES = 32
+ROWS_MAX_TILES = 16
+ROWS_MAX_TILES_KQUANT = 32
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 _KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max with float32 x
 
@@ -76,6 +78,8 @@ def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     if gemm_int16(ggml_type):
         return ROWS_MAX_INT16_GEMM
     if x_dtype != torch.float32:
+        if ggml_type in (T4K, T6K):
+            return ROWS_MAX_TILES_KQUANT
         return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
     return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANT_ROWS else ROWS_MAX_F32
 
