@@ -149,7 +149,7 @@ class FusedDecode:
         return cls(layers, dtype, (_Layer * len(entries))(*entries), takes_lora)
 
     def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
-        """Whether this step can run fused: decode rows only, in flat order, few enough."""
+        """Whether this step can run fused: decode rows only, in flat order."""
         g = meta.decode
         return (
             g is not None and meta.prefill is None and g.query_index is None

@@ -33,8 +33,9 @@
 
 /* One quantized weight: row ranges (segments) one after another, each `rows` rows of ggml
  * `type` blocks, row_bytes apart, multiplied by the row kernels (quant_matmul) up to rows_max
- * rows of x and by the panel GEMM (quant_gemm) past them, as quantization.py chooses. Several where a fused weight's pieces differ in type (a
- * Q4_K_M file's q/k in Q4_K beside a Q6_K v) or lie apart in the file. */
+ * rows of x and by the panel GEMM (quant_gemm) past them, as quantization.py chooses. Several
+ * where a fused weight's pieces differ in type (a Q4_K_M file's q/k in Q4_K beside a Q6_K v) or
+ * lie apart in the file. */
 #define DL_MAX_SEGMENTS 3
 typedef struct {
     const uint8_t *w;

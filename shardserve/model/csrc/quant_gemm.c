@@ -238,7 +238,8 @@ static void micro_bc_any(int mr, const float *x, int64_t xs, const float *pt, in
 static void panel_k_major(float *rm, int64_t nt, int64_t kc, float *pt) {
     for (int64_t c = nt; c < NT; c++) memset(rm + c * PS, 0, sizeof(float) * (size_t)kc);
     for (int64_t k = 0; k < kc; k += 8)
-        for (int64_t c = 0; c < NT; c += 8) transpose8x8_ps(rm + c * PS + k, PS, pt + k * NT + c, NT);
+        for (int64_t c = 0; c < NT; c += 8)
+            transpose8x8_ps(rm + c * PS + k, PS, pt + k * NT + c, NT);
 }
 #endif
 
@@ -368,8 +369,8 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
             for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, B, K, &xq);
         }
         /* The decoded rows; then (GEMM_BCAST) their K-major copy. Or quant_gemm_i16.c's. */
-        void *panel = i16 ? malloc(gemm_i16_scratch_bytes())
-                          : aligned_alloc(64, sizeof(float) * (size_t)(NT * PS + GEMM_BCAST * NT * KC));
+        const size_t fbytes = sizeof(float) * (size_t)(NT * PS + GEMM_BCAST * NT * KC);
+        void *panel = i16 ? malloc(gemm_i16_scratch_bytes()) : aligned_alloc(64, fbytes);
         float *otile = malloc(sizeof(float) * (size_t)(B * NT));
         /* Every thread enters the loop (a worksharing loop skipped by one would hang the
          * others at its barrier); one without scratch only records the failure. */

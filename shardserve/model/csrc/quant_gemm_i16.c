@@ -173,7 +173,8 @@ ALWAYS_INLINE void micro(int mr, int mins, const int16_t *x, int64_t K, const fl
                 const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * (K / 32) + g]));
                 facc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), s, facc[r][h]);
                 if (mins)
-                    facc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * (K / 32) + g]), facc[r][h]);
+                    facc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * (K / 32) + g]),
+                                                 facc[r][h]);
             }
         }
     }
@@ -223,7 +224,7 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
         panel_pairs(rows, nt, kc, dg, mg, panel);
         for (int64_t b = 0; b < B; b += BR)
             micro_any((int)(B - b < BR ? B - b : BR), mins,
-                      xq->q + 2 * (x_pair_at(B, K, b, k0) - b % BR), K,
+                      xq->q + 2 * x_pair_at(B, K, b, k0), K,
                       xq->d + b * (K / 32) + k0 / 32, xq->xs32 + b * (K / 32) + k0 / 32, panel,
                       dg, mg, kc, otile + b * NT);
     }
