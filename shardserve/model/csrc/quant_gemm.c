@@ -374,7 +374,9 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
         float *otile = malloc(sizeof(float) * (size_t)(B * NT));
         /* Every thread enters the loop (a worksharing loop skipped by one would hang the
          * others at its barrier); one without scratch only records the failure. */
-#pragma omp for schedule(static)
+        /* Guided: a static split left one thread waiting for the other (quant_rows.c's
+         * run_rows); guided, 1.02-1.19x at 32 rows (Zen 3, AVX2, 1B shapes). */
+#pragma omp for schedule(guided)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
             if (panel == NULL || otile == NULL) {

@@ -208,10 +208,7 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
                         xq->xs32 + b0 * nsub};
     acc_t acc[FUSED_MAX_B];
     __m256 macc[FUSED_MAX_B];
-    for (int i = 0; i < NB; i++) {
-        acc[i] = acc_zero();
-        macc[i] = _mm256_setzero_ps();
-    }
+    for (int i = 0; i < NB; i++) acc[i] = acc_zero(), macc[i] = _mm256_setzero_ps();
     for (int64_t bi = 0; bi < K / 256; bi++) {
         const uint8_t *blk = row + bi * bytes;
         float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
@@ -288,14 +285,15 @@ ROWS_FNS(fused_row, T_Q4_K)
 ROWS_FNS(fused_row, T_Q5_K)
 ROWS_FNS(fused_row, T_Q6_K)
 
-/* Weight rows a task takes: all passes over x's rows run on them while they sit in cache. */
+/* Weight rows a task takes (all passes over x on them while cached). Guided, not static: in
+ * equal halves one thread waited 17% of a 1B batch-1 step (Zen 3; guided 10%, 1.06-1.16x). */
 #define ROWS_TILE 16
 
 void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
               int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
               int threads) {
     const int64_t tiles = (N + ROWS_TILE - 1) / ROWS_TILE;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * ROWS_TILE, n1 = N - n0 < ROWS_TILE ? N : n0 + ROWS_TILE;
         for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
