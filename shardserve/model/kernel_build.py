@@ -40,6 +40,8 @@ ACTIVATIONS_SOURCE = _CSRC / "quant_activations.c"
 ROWS_SOURCE = _CSRC / "quant_rows.c"
 # And their AVX2 build's own for Q4_0 / Q4_1 / Q8_0 (integer sums per group of 8 blocks).
 ROWS_AVX2_SOURCE = _CSRC / "quant_rows_avx2.c"
+# And the rows of R4 / R8 (AVX-512 builds: weights repacked where the tiles do not take them).
+ROWS_REPACKED_SOURCE = _CSRC / "quant_rows_repacked.c"
 # And the opt-in int8 activations' rows (SHARDSERVE_INT8_ACTIVATIONS).
 ROWS_INT8_SOURCE = _CSRC / "quant_rows_int8.c"
 # And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
@@ -63,9 +65,9 @@ CP_SOURCE = _CSRC / "cp_attention.c"
 ATTENTION_AVX2_SOURCE = _CSRC / "attention_avx2.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
 LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE,
-                  ROWS_INT8_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE, RETILE_SOURCE, GEMM_SOURCE,
-                  GEMM_I16_SOURCE, PANEL_SOURCE, DECODE_SOURCE, LORA_SOURCE, CP_SOURCE,
-                  ATTENTION_AVX2_SOURCE)
+                  ROWS_REPACKED_SOURCE, ROWS_INT8_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
+                  RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, PANEL_SOURCE, DECODE_SOURCE,
+                  LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.

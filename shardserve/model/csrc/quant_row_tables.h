@@ -66,6 +66,9 @@ const rows_fn *fused_row_fns(int type);
 void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
               int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
               int threads);
+/* quant_rows_repacked.c: the R4 / R8 rows' table (NULL for other types, or where this build
+ * has none: it has them where quant_can_repack says so). */
+const rows_fn *repacked_row_fns(int type);
 /* quant_rows_int8.c: whether quant_matmul takes `type` with int8 x (the mode is on and it has
  * int8 rows for it); the SIMD rows (NULL where this build has none). */
 int quant_int8_takes(int type);

@@ -121,9 +121,10 @@ ALWAYS_INLINE void k4_scales(int NB, const uint8_t *blk, const xquant_t *xq, int
     }
 }
 
-/* Q6_K: sd[i][h] = d * sc_h * xd (h: half of 16, xd of its 32); offsets -32 * s per half. */
-ALWAYS_INLINE void k6_scales(int NB, const uint8_t *blk, const xquant_t *xq, int64_t first,
-                             int64_t nsub, float (*sd)[16], __m256 *macc) {
+/* Q6_K: sd[i][h] = d * sc_h * xd (h: half of 16, xd of its 32), or with SCALED (k6_scaled's
+ * values) sd[i][j] = d * xd (j: sub-block of 32); offsets -32 * s per half. */
+ALWAYS_INLINE void k6_scales(int SCALED, int NB, const uint8_t *blk, const xquant_t *xq,
+                             int64_t first, int64_t nsub, float (*sd)[16], __m256 *macc) {
     uint64_t lo, hi;
     memcpy(&lo, blk + 192, 8);
     memcpy(&hi, blk + 200, 8);
@@ -133,9 +134,10 @@ ALWAYS_INLINE void k6_scales(int NB, const uint8_t *blk, const xquant_t *xq, int
     for (int i = 0; i < NB; i++) {
         const int64_t o = i * nsub + first;
         const __m256 xd = _mm256_loadu_ps(xq->d + o);
-        _mm256_store_ps(sd[i], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(
+        if (SCALED) _mm256_store_ps(sd[i], _mm256_mul_ps(d, xd));
+        else _mm256_store_ps(sd[i], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(
                                    xd, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))));
-        _mm256_store_ps(sd[i] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(
+        if (!SCALED) _mm256_store_ps(sd[i] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(
                                        xd, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))));
         const float *xs = xq->xs + 2 * o;
         macc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(m32, s0), _mm256_loadu_ps(xs), macc[i]);
@@ -155,6 +157,24 @@ ALWAYS_INLINE w32_t k6_values(w32_t l0, w32_t l1, w32_t qh, int k) {
                     : k == 2 ? w_srl(l0, 4) : w_srl(l1, 4);
     const w32_t top = k == 0 ? w_sll(qh, 4) : k == 1 ? w_sll(qh, 2) : k == 2 ? qh : w_srl(qh, 2);
     return w_or(nib, w_and(top, 0x30));
+}
+
+/* Q6_K on AVX2 at 2-8 rows of x: sub-block j's two int8 half-scales multiplied into its values
+ * once for all rows (|q sc| <= 63 * 128 fits an int16; a lane's 4 products < 2^31), so a row
+ * takes one float step per 32 (k_mac's whole-32 form, d * x's scale) instead of two. */
+#if defined(__AVX512BW__)
+#define K6_SCALED 0
+#else
+#define K6_SCALED 1
+#endif
+ALWAYS_INLINE w32_t k6_scaled(w32_t w, const uint8_t *blk, int j) {
+#if K6_SCALED
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(sc[2 * j]));
+    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(sc[2 * j + 1]));
+#endif
+    (void)blk, (void)j;
+    return w;
 }
 
 #if !defined(__AVX512BW__)
@@ -213,7 +233,7 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
         const uint8_t *blk = row + bi * bytes;
         float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
         if (TYPE == T_Q6_K)
-            k6_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
+            k6_scales(K6_SCALED && NB > 1, NB, blk, &x, 8 * bi, nsub, sd, macc);
         else
             k4_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
 #if !defined(__AVX512BW__)
@@ -228,10 +248,11 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
                 const w32_t qh = w_load(blk + 128 + 32 * h);
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) {
-                    const w32_t w = k6_values(l0, l1, qh, k);
                     const int j = 4 * h + k;
+                    const w32_t w = k6_scaled(k6_values(l0, l1, qh, k), blk, j);
                     for (int i = 0; i < NB; i++)
-                        acc[i] = k_mac(1, acc[i], w, x.q + i * K + 256 * bi + 32 * j, sd[i], j);
+                        acc[i] = k_mac(!K6_SCALED, acc[i], w, x.q + i * K + 256 * bi + 32 * j,
+                                       sd[i], j);
                 }
             }
         } else {
@@ -305,83 +326,13 @@ void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xqu
 
 ROWS_TABLES_BY_TYPE(fused_row_fns, fused_row)
 
-#if QK_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define QK_REPACK 1
-/*
- * Rows of R4 / R8 times up to 4 rows of x. Per 16 sub-blocks: the 16 weight scales convert in
- * one instruction, are multiplied by x's 16 scales and parked on the stack (each then feeds a
- * broadcast), and the offsets' share m . xs32 is one vector FMA. Per sub-block what remains is
- * a widen, a load of x, vpmaddwd, a conversion and an FMA.
- */
-ALWAYS_INLINE void r_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq, int64_t b0,
-                         int64_t K, float *res) {
-    const int64_t nsub = K / 32;
-    const uint8_t *d16 = row + (TYPE == T_R4 ? K / 2 : K), *m16 = d16 + K / 16;
-    __m512 acc[FUSED_MAX_B], macc[FUSED_MAX_B];
-    for (int i = 0; i < NB; i++) acc[i] = macc[i] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < nsub; g0 += 16) {
-        const int cnt = nsub - g0 < 16 ? (int)(nsub - g0) : 16;
-        const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d16 + 2 * g0));
-        float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
-        for (int i = 0; i < NB; i++) {
-            const int64_t b = b0 + i;
-            const __m512 xd = _mm512_maskz_loadu_ps(mask, xq->d + b * nsub + g0);
-            _mm512_store_ps(sd[i], _mm512_mul_ps(dv, xd));
-            if (TYPE == T_R4) {
-                const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m16 + 2 * g0));
-                macc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xq->xs32 + b * nsub + g0),
-                                          macc[i]);
-            }
-        }
-        for (int t = 0; t < cnt; t += (TYPE == T_R4 ? 2 : 1)) {
-            const int64_t sub = g0 + t;
-            __m512i w0, w1 = _mm512_setzero_si512();
-            if (TYPE == T_R4) {
-                const __m256i v = load32(row + 16 * sub); /* sub-blocks sub, sub + 1 */
-                w0 = _mm512_cvtepu8_epi16(low_nibbles(v));
-                w1 = _mm512_cvtepu8_epi16(high_nibbles(v));
-            } else {
-                w0 = _mm512_cvtepi8_epi16(load32(row + 32 * sub));
-            }
-            for (int i = 0; i < NB; i++) {
-                const int16_t *x = xq->q + (b0 + i) * K + 32 * sub;
-                const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w0, _mm512_loadu_si512(x)));
-                acc[i] = _mm512_fmadd_ps(p0, _mm512_set1_ps(sd[i][t]), acc[i]);
-                if (TYPE == T_R4) {
-                    const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(w1, _mm512_loadu_si512(x + 32)));
-                    acc[i] = _mm512_fmadd_ps(p1, _mm512_set1_ps(sd[i][t + 1]), acc[i]);
-                }
-            }
-        }
-    }
-    for (int i = 0; i < NB; i++) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
-}
-
-ROWS_FNS(r_row, T_R4)
-ROWS_FNS(r_row, T_R8)
-
-static const rows_fn *r_fns(int type) {
-    static const rows_fn r4[] = ROWS_TABLE(r_row, T_R4);
-    static const rows_fn r8[] = ROWS_TABLE(r_row, T_R8);
-    return type == T_R4 ? r4 : r8;
-}
-#else
-#define QK_REPACK 0
-#endif
-
-/* Whether this build computes R4 / R8 rows on its fast path (else they take the portable one). */
-int quant_can_repack(void) { return QK_REPACK; }
-
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                     int out_dtype, int threads) {
     const rows_fn *fns = NULL;
     const rows_fn one = avx2_one_row_fn(type); /* lives until run_rows returns */
     if (type == T_R4 || type == T_R8) {
-#if QK_REPACK
-        fns = r_fns(type);
-#endif
+        fns = repacked_row_fns(type);
     } else if (B == 1 && one != NULL) {
         fns = &one;
     } else {
@@ -392,6 +343,4 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
     run_rows(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);
     return 1;
 }
-#else
-int quant_can_repack(void) { return 0; }
 #endif
