@@ -162,13 +162,13 @@ ALWAYS_INLINE w32_t k6_values(w32_t l0, w32_t l1, w32_t qh, int k) {
 /* Q6_K on AVX2 at 2-8 rows of x: sub-block j's two int8 half-scales multiplied into its values
  * once for all rows (|q sc| <= 63 * 128 fits an int16; a lane's 4 products < 2^31), so a row
  * takes one float step per 32 (k_mac's whole-32 form, d * x's scale) instead of two. */
-#if defined(__AVX512BW__)
-#define K6_SCALED 0
+#if defined(__AVX512BW__) /* KQ_AVX2: the K-quant rows are the AVX2 build's (2 ymm a w32_t) */
+#define KQ_AVX2 0
 #else
-#define K6_SCALED 1
+#define KQ_AVX2 1
 #endif
 ALWAYS_INLINE w32_t k6_scaled(w32_t w, const uint8_t *blk, int j) {
-#if K6_SCALED
+#if KQ_AVX2
     const int8_t *sc = (const int8_t *)(blk + 192);
     w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(sc[2 * j]));
     w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(sc[2 * j + 1]));
@@ -233,7 +233,7 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
         const uint8_t *blk = row + bi * bytes;
         float sd[FUSED_MAX_B][16] __attribute__((aligned(64)));
         if (TYPE == T_Q6_K)
-            k6_scales(K6_SCALED && NB > 1, NB, blk, &x, 8 * bi, nsub, sd, macc);
+            k6_scales(KQ_AVX2 && NB > 1, NB, blk, &x, 8 * bi, nsub, sd, macc);
         else
             k4_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
 #if !defined(__AVX512BW__)
@@ -251,7 +251,7 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
                     const int j = 4 * h + k;
                     const w32_t w = k6_scaled(k6_values(l0, l1, qh, k), blk, j);
                     for (int i = 0; i < NB; i++)
-                        acc[i] = k_mac(!K6_SCALED, acc[i], w, x.q + i * K + 256 * bi + 32 * j,
+                        acc[i] = k_mac(!KQ_AVX2, acc[i], w, x.q + i * K + 256 * bi + 32 * j,
                                        sd[i], j);
                 }
             }
@@ -310,18 +310,25 @@ ROWS_FNS(fused_row, T_Q6_K)
  * equal halves one thread waited 17% of a 1B batch-1 step (Zen 3; guided 10%, 1.06-1.16x). */
 #define ROWS_TILE 16
 
-void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
-              int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-              int threads) {
+static void run_rows_by(const rows_fn *fns, const uint8_t *w, int64_t row_bytes,
+                        const xquant_t *xq, int64_t B, int64_t N, int64_t K, void *out,
+                        int64_t out_stride, int out_dtype, int threads, int64_t pass_max) {
     const int64_t tiles = (N + ROWS_TILE - 1) / ROWS_TILE;
+    const int64_t passes = (B + pass_max - 1) / pass_max, per = (B + passes - 1) / passes;
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * ROWS_TILE, n1 = N - n0 < ROWS_TILE ? N : n0 + ROWS_TILE;
-        for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
-            const int64_t nb = B - b0 < FUSED_MAX_B ? B - b0 : FUSED_MAX_B;
+        for (int64_t b0 = 0; b0 < B; b0 += per) {
+            const int64_t nb = B - b0 < per ? B - b0 : per;
             fns[nb - 1](w, row_bytes, xq, b0, n0, n1, K, out, out_stride, out_dtype);
         }
     }
+}
+
+void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
+              int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
+              int threads) {
+    run_rows_by(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads, FUSED_MAX_B);
 }
 
 ROWS_TABLES_BY_TYPE(fused_row_fns, fused_row)
@@ -340,7 +347,12 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
         if (fns == NULL) fns = fused_row_fns(type);
     }
     if (fns == NULL) return 0;
-    run_rows(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);
+    /* AVX2 K-quant rows take 8 rows of x as two passes of 4: at 8 their accumulators spill
+     * (16 ymm registers), at 7 they do not (Zen 3, 2 threads, 1B shapes from memory: 8 rows of
+     * Q4_K / Q6_K 1.12-1.29x as 4 + 4; 7 rows as 4 + 3 0.97-1.10x, so 7 stays one pass). */
+    const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+    run_rows_by(fns, w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads,
+                KQ_AVX2 && kq ? FUSED_MAX_B - 1 : FUSED_MAX_B);
     return 1;
 }
 #endif
