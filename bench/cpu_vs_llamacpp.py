@@ -1,7 +1,7 @@
 """shardserve (each quantization) against llama.cpp on the same GGUF file, on this CPU, in one run.
 
     python bench/cpu_vs_llamacpp.py [--rounds 3] [--model PATH.gguf] [--threads 2]
-        [--sides gguf,gguf-layerwise,gguf-nodense,gguf-x8,none-bf16,none-f32,int8]
+        [--sides gguf,gguf-layerwise,gguf-nodense,gguf-x8,gguf-noamx,none-bf16,none-f32,int8]
         [--isa native|avx2|portable] [--llama-python PATH] [--llama-requests 4]
     python bench/cpu_vs_llamacpp.py --llama-bin /tmp/llamacpp --model /tmp/gguf/llama-1b-q4km.gguf
         [--isa native|avx2] [--sides gguf,gguf-nodense] [--batches 1,8,32] [--plot out.png]
@@ -10,7 +10,8 @@
 picks llama.cpp's binaries DIR/bin-<isa> (../shared/bench/build_llama_cpp.sh DIR native|avx2).
 Both tables run every side at --threads (SHARDSERVE_NUM_THREADS, llama.cpp's -t).
 Side gguf-nodense is gguf with SHARDSERVE_QUANT_DENSE_BATCHES=0 (no dense weight copy),
-gguf-x8 gguf with SHARDSERVE_INT8_ACTIVATIONS=1 (int8 activations in the row kernels).
+gguf-x8 gguf with SHARDSERVE_INT8_ACTIVATIONS=1 (int8 activations in the row kernels),
+gguf-noamx gguf with SHARDSERVE_AMX=0 (batched bfloat16 products on AVX-512, not AMX tiles).
 
 With --llama-bin (or --table real): the real-size table (bench/_real_size.py), every side a
 fresh process per round: resident memory after load, load time, cold start (and minus a bare
@@ -64,14 +65,17 @@ SIDES = {  # side -> LLM / CLI options
     "gguf-layerwise": {"quantization": "gguf", "dtype": "auto"},
     "gguf-nodense": {"quantization": "gguf", "dtype": "auto"},
     "gguf-x8": {"quantization": "gguf", "dtype": "auto"},
+    "gguf-noamx": {"quantization": "gguf", "dtype": "auto"},
 }
 # Sides that differ by a tuning knob: gguf with its decode steps layer by layer from Python
 # instead of one C call through the stack (model/fused_decode.py), to show what that call gains.
 # gguf-nodense: without the dense weight copy that steps of 4+ rows use (matmul_layer.py).
 # gguf-x8: the row kernels with int8 activations (csrc/quant_rows_int8.c; opt-in, less precise).
+# gguf-noamx: the GEMM's bfloat16 products on AVX-512 where AMX would take them (quant_gemm_amx.c).
 SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"},
             "gguf-nodense": {"SHARDSERVE_QUANT_DENSE_BATCHES": "0"},
-            "gguf-x8": {"SHARDSERVE_INT8_ACTIVATIONS": "1"}}
+            "gguf-x8": {"SHARDSERVE_INT8_ACTIVATIONS": "1"},
+            "gguf-noamx": {"SHARDSERVE_AMX": "0"}}
 LLAMA = "llama.cpp"
 COLUMNS = ("cold start s", "batch-1 tok/s", "64x128 tok/s")
 _LLAMA_COLD = """

@@ -143,6 +143,13 @@ def int8_activations() -> bool:
     return _get_bool("SHARDSERVE_INT8_ACTIVATIONS", False)
 
 
+def amx() -> bool:
+    """SHARDSERVE_AMX: the batched products of bfloat16 x on Intel's AMX tiles where the CPU has
+    AMX-BF16 and the kernel grants the tile state (csrc/quant_gemm_amx.c; default on; 0 = the
+    AVX-512 vdpbf16ps panels, for comparison or where AMX misbehaves)."""
+    return _get_bool("SHARDSERVE_AMX", True)
+
+
 def fused_decode() -> bool:
     """SHARDSERVE_FUSED_DECODE: run decode steps of quantized layers (fewer than 4 rows, one
     tensor-parallel rank) as one C call through the whole layer stack (default on; 0 = layer by

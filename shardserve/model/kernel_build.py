@@ -53,6 +53,8 @@ RETILE_SOURCE = _CSRC / "quant_retile.c"
 GEMM_SOURCE = _CSRC / "quant_gemm.c"
 # And its int16 tiles on AVX2 builds (vpmaddwd, the sub-block scales folded into the panels).
 GEMM_I16_SOURCE = _CSRC / "quant_gemm_i16.c"
+# And its bfloat16 products on AMX where the CPU and the kernel allow (Sapphire Rapids on).
+GEMM_AMX_SOURCE = _CSRC / "quant_gemm_amx.c"
 # And the weight rows it decodes into its panels.
 PANEL_SOURCE = _CSRC / "quant_decode.c"
 # And a decode step through a stack of quantized layers in one call (fused_decode.py).
@@ -66,8 +68,8 @@ ATTENTION_AVX2_SOURCE = _CSRC / "attention_avx2.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
 LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE,
                   ROWS_REPACKED_SOURCE, ROWS_INT8_SOURCE, TILES_SOURCE, TILE_PANELS_SOURCE,
-                  RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, PANEL_SOURCE, DECODE_SOURCE,
-                  LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE)
+                  RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, GEMM_AMX_SOURCE, PANEL_SOURCE,
+                  DECODE_SOURCE, LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.

@@ -27,7 +27,8 @@ ARCH_FLAGS = {"native": NATIVE_ARCH, "avx2": AVX2_ARCH, "portable": PORTABLE_ARC
 # What an avx2 build executes: x86-64-v3 also has BMI1/2, LZCNT, MOVBE, which these CPUs all have.
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 # kernel_isa()'s bits, lowest first (the macro each stands for: __AVX2__, __FMA__, ...).
-ISA_BITS = ("AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI", "AVX512BF16")
+ISA_BITS = ("AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI", "AVX512BF16",
+            "AMX-BF16")
 
 
 def cpu_flags() -> set[str]:
@@ -76,12 +77,14 @@ def isa_features(lib: ctypes.CDLL) -> list[str]:
 
 
 def describe(features: list[str]) -> str:
-    """e.g. "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16"; "plain C (no AVX2)" for none."""
-    parts = [f for f in features if not f.startswith("AVX512")]
+    """e.g. "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16, AMX-BF16"; "plain C (no AVX2)" for
+    none."""
+    parts = [f for f in features if f in ISA_BITS[:3]]
     base = [f.removeprefix("AVX512") for f in features if f in ISA_BITS[3:6]]
     if base:
         parts.append("AVX-512 " + "/".join(base))
-    parts += [f.removeprefix("AVX512") for f in features if f in ISA_BITS[6:]]
+    parts += [f.removeprefix("AVX512") for f in features if f in ISA_BITS[6:8]]
+    parts += [f for f in features if f in ISA_BITS[8:]]
     return ", ".join(parts) if parts else "plain C (no AVX2)"
 
 

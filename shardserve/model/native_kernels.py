@@ -85,6 +85,11 @@ def library() -> ctypes.CDLL | None:
             "~0.5%% error; greedy outputs may differ from the float model's)%s",
             "; this level's 16-row tiles (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with rows in multiples of "
             "16) keep int16" if lib.quant_can_tile() else "")
+    if not envs.amx():
+        lib.gemm_amx_set(0)
+    elif "AMX-BF16" in kernel_levels.isa_features(lib) and not lib.gemm_amx_ready():
+        logger.warning("the kernels have AMX-BF16 but this kernel did not grant the tile state "
+                       "(arch_prctl ARCH_REQ_XCOMP_PERM): batched bfloat16 products take AVX-512")
     return lib
 
 
@@ -140,6 +145,8 @@ def _declare(lib: ctypes.CDLL, strict: bool = True) -> None:
         "quant_int8_activations": [],
         "quant_can_tile": [],
         "quant_gemm_int16": [i32],
+        "gemm_amx_ready": [],
+        "gemm_amx_set": [i32],
         "quant_retile": [i32, ptr, i64, ptr, i64, i64],
         "decode_layers": [ptr, i64, ptr],
         "lora_add": [ptr, i64, i32, ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, i64, i64, ptr,

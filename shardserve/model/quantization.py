@@ -69,6 +69,12 @@ ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
 ROWS_MAX_TILES = 16
 ROWS_MAX_TILES_KQUANT = 32
+# Where the GEMM's bfloat16 products run on AMX (csrc/quant_gemm_amx.c) they cost little beside
+# decoding the weights, and the K-quant tiles' rows lose past 16 (Sapphire Rapids, 2 threads,
+# 1B's 2048 -> 8192 from memory, GEMM over rows GMAC/s: T4K 1.00x at 16 rows, 1.38x at 24,
+# 1.92x at 32; T6K 0.84x at 16, 1.30x at 24, 1.62x at 32). T4 / T8 stay at 16 (0.5-0.6x at 16
+# rows at the default model's shapes, 0.8x at 24, 1.15-1.4x at 32).
+ROWS_MAX_AMX_KQUANT = 16
 _KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
 _KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max with float32 x
 
@@ -79,7 +85,7 @@ def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
         return ROWS_MAX_INT16_GEMM
     if x_dtype != torch.float32:
         if ggml_type in (T4K, T6K):
-            return ROWS_MAX_TILES_KQUANT
+            return ROWS_MAX_AMX_KQUANT if gemm_amx() else ROWS_MAX_TILES_KQUANT
         return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
     return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANT_ROWS else ROWS_MAX_F32
 
@@ -238,6 +244,22 @@ def gemm_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     """out = x @ W.T as matmul_into, for many rows of x: the weight decoded panel by panel to
     float32 and reused by every row (csrc/quant_gemm.c), no dense copy kept."""
     _product("quant_gemm", out, x, w)
+
+
+def gemm_amx() -> bool:
+    """Whether gemm_into multiplies bfloat16 x on AMX tiles (csrc/quant_gemm_amx.c: a build with
+    AMX-BF16, a kernel that grants the tile state, SHARDSERVE_AMX not 0); False without the
+    kernels."""
+    try:
+        lib = native_kernels.lib()
+    except RuntimeError:
+        return False
+    return _gemm_amx(lib)
+
+
+@functools.cache
+def _gemm_amx(lib: ctypes.CDLL) -> bool:
+    return bool(lib.gemm_amx_ready())
 
 
 def gemm_int16(ggml_type: int) -> bool:

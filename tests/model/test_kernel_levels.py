@@ -243,7 +243,7 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
 # kernel_isa()'s names -> the /proc/cpuinfo flag of the same instruction set.
 CPU_FLAG = {"AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512F": "avx512f",
             "AVX512BW": "avx512bw", "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni",
-            "AVX512BF16": "avx512_bf16"}
+            "AVX512BF16": "avx512_bf16", "AMX-BF16": "amx_bf16"}
 
 
 def test_levels_buildable_here_follow_the_cpu(monkeypatch):
@@ -298,6 +298,6 @@ def test_library_loads_the_chosen_level_and_logs_what_it_runs(
 
 def test_a_report_names_the_instruction_sets():
     assert kernel_levels.describe(list(kernel_levels.ISA_BITS)) == \
-        "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16"
+        "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16, AMX-BF16"
     assert kernel_levels.describe(["AVX2", "FMA", "F16C"]) == "AVX2, FMA, F16C"
     assert kernel_levels.describe([]) == "plain C (no AVX2)"

@@ -602,5 +602,8 @@ int kernel_isa(void) {
 #if defined(__AVX512BF16__)
     bits |= 1 << 7;
 #endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    bits |= 1 << 8;
+#endif
     return bits;
 }

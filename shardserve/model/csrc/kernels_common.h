@@ -60,8 +60,25 @@ void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n
  * elements; 0 where this build cannot (the caller then decodes row by row). */
 int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0, int64_t kc,
                       void *out, int64_t stride, int out_dtype);
+/* The same for a weight's rows [n0, n0 + nt) over the tiles they lie in, row n0 + i to
+ * panel + i * ps elements. */
+int quant_decode_tiled_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                             int64_t nt, int64_t k0, int64_t kc, void *panel, int64_t ps,
+                             int out_dtype);
 int quant_block_shape(int type, int *elems, int *bytes);
 
+/* quant_gemm_amx.c: the panel GEMM's bfloat16 products on AMX (its header draws x's layout):
+ * whether this process may use it (or turn it off), x's bytes there, row b of x packed, a thread's tile
+ * configuration loaded / released, and otile [B, nt_stride] += x @ panel^T over one chunk. */
+int gemm_amx_ready(void);
+int gemm_amx_set(int on);
+size_t gemm_amx_x_bytes(int64_t B, int64_t K);
+void gemm_amx_pack_x(const uint16_t *x, int64_t xs, int64_t b, int64_t B, int64_t K,
+                     uint32_t *xv);
+void gemm_amx_begin(void);
+void gemm_amx_end(void);
+void gemm_amx_chunk(const uint16_t *panel, int64_t ps, const uint32_t *xv, int64_t B, int64_t K,
+                    int64_t k0, int64_t kc, float *otile, int64_t nt, int64_t nt_stride);
 /* quant_gemm.c */
 int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
                int dtype, const uint8_t *w, int64_t row_bytes, int type, int64_t B, int64_t N,

@@ -243,39 +243,26 @@ static void panel_k_major(float *rm, int64_t nt, int64_t kc, float *pt) {
 }
 #endif
 
-/* A tiled weight's panel rows [n0, n0 + nt) from the tiles of 16 they lie in, each tile's
- * rows at once (NT is 16 with AVX-512 and AVX2); 0 where this build does not. */
-static int decode_from_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                             int64_t nt, int64_t k0, int64_t kc, void *panel, int64_t ps,
-                             int bf16) {
-    const size_t es = bf16 ? 2 : 4;
-    for (int64_t t = n0 / 16; t * 16 < n0 + nt; t++) {
-        const int64_t first = t * 16 > n0 ? t * 16 : n0;
-        const int64_t end = t * 16 + 16 < n0 + nt ? t * 16 + 16 : n0 + nt;
-        if (!quant_decode_tile(type, w + 16 * t * row_bytes, (int)(first - 16 * t),
-                               (int)(end - 16 * t), k0, kc,
-                               (char *)panel + (size_t)((first - n0) * ps) * es, ps,
-                               bf16 ? DT_BF16 : DT_F32))
-            return 0;
-    }
-    return 1;
-}
-
 /* One tile of nt weight rows from n0: decode chunk by chunk, multiply with every row of x
  * (bfloat16 x and panels where `bf16`, else float32). */
 static void gemm_tile(const uint8_t *w, int64_t row_bytes, int type, const void *x, int64_t xs,
                       int64_t B, int64_t K, int64_t n0, int64_t nt, void *panel, float *otile,
-                      int bf16) {
+                      int bf16, const uint32_t *xv) {
     const int64_t chunk = bf16 ? KC_BF16 : KC, ps = bf16 ? PS_BF16 : PS;
     const size_t es = bf16 ? 2 : 4;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
         const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
-        if (!decode_from_tiles(type, w, row_bytes, n0, nt, k0, kc, panel, ps, bf16))
+        if (!quant_decode_tiled_panel(type, w, row_bytes, n0, nt, k0, kc, panel, ps,
+                                      bf16 ? DT_BF16 : DT_F32))
             for (int64_t c = 0; c < nt; c++)
                 decode_rows(type, w, row_bytes, n0 + c, K, k0, kc,
                             (char *)panel + (size_t)(c * ps) * es, bf16 ? DT_BF16 : DT_F32);
 #if GEMM_BF16
+        if (xv != NULL) { /* AMX (quant_gemm_amx.c) */
+            gemm_amx_chunk(panel, PS_BF16, xv, B, K, k0, kc, otile, nt, NT);
+            continue;
+        }
         if (bf16) {
             for (int64_t c = 0; c < nt; c += NC)
                 for (int64_t b = 0; b < B; b += MR)
@@ -359,6 +346,8 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
         return -1;
     }
     xq.xs32 = i16 ? xq.d + B * K / 32 : NULL;
+    /* AMX where the build and the kernel allow it: x in its pair order, once per call. */
+    uint32_t *xv = bf16 && gemm_amx_ready() ? aligned_alloc(64, gemm_amx_x_bytes(B, K)) : NULL;
     const int64_t tiles = (N + NT - 1) / NT;
     const int threads = B * N * K >= GEMM_PARALLEL_MIN ? num_threads : 1;
     int failed = 0;
@@ -367,6 +356,11 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
         if (i16) {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, B, K, &xq);
+        }
+        if (xv != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) gemm_amx_pack_x(x, x_stride, b, B, K, xv);
+            gemm_amx_begin();
         }
         /* The decoded rows; then (GEMM_BCAST) their K-major copy. Or quant_gemm_i16.c's. */
         const size_t fbytes = sizeof(float) * (size_t)(NT * PS + GEMM_BCAST * NT * KC);
@@ -387,13 +381,14 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
                 gemm_i16_tile(w, row_bytes, type, &xq, B, K, n0, nt, panel, otile);
             else
                 gemm_tile(w, row_bytes, type, bf16 ? x : (const void *)xf, xs, B, K, n0, nt,
-                          panel, otile, bf16);
+                          panel, otile, bf16, xv);
             store_tile(out, out_stride, out_dtype, otile, B, n0, nt);
         }
+        if (xv != NULL) gemm_amx_end();
         free(panel);
         free(otile);
     }
-    free(copy);
+    free(copy), free(xv);
     free(xq.q), free(xq.d);
     return failed ? -1 : 0;
 }

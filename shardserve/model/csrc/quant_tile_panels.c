@@ -147,3 +147,20 @@ int quant_decode_tile(int type, const uint8_t *tile, int r0, int r1, int64_t k0,
     return 0;
 }
 #endif
+
+/* A tiled weight's rows [n0, n0 + nt) from the tiles of 16 they lie in, each tile's rows at
+ * once, row n0 + i to panel + i * ps elements; 0 where this build cannot. */
+int quant_decode_tiled_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                             int64_t nt, int64_t k0, int64_t kc, void *panel, int64_t ps,
+                             int out_dtype) {
+    const size_t es = out_dtype == DT_F32 ? 4 : 2;
+    for (int64_t t = n0 / 16; t * 16 < n0 + nt; t++) {
+        const int64_t first = t * 16 > n0 ? t * 16 : n0;
+        const int64_t end = t * 16 + 16 < n0 + nt ? t * 16 + 16 : n0 + nt;
+        if (!quant_decode_tile(type, w + 16 * t * row_bytes, (int)(first - 16 * t),
+                               (int)(end - 16 * t), k0, kc,
+                               (char *)panel + (size_t)((first - n0) * ps) * es, ps, out_dtype))
+            return 0;
+    }
+    return 1;
+}
