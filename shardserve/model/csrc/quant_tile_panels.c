@@ -39,24 +39,32 @@ static inline void load_transposed(const uint8_t *p, __m256i *v) {
 }
 
 #if defined(__AVX512BW__)
-/* bfloat16 panels (the AMX GEMM's, quant_gemm_amx.c) from 4-bit values by table: a sub-block's
- * 16 possible values s q + m computed once (rounded as emit16 rounds them), then each 32
- * nibbles one vpermw: ~0.25 instructions a weight against emit16's ~0.55. */
-static inline __m512i bf16_table16(float s, float m) {
+/* bfloat16 panels (the AMX GEMM's, quant_gemm_amx.c) from 4-bit values by table: two
+ * sub-blocks' 16 possible values s q + m each, computed once (rounded as emit16 rounds them)
+ * into one vector's lower and upper halves, then each 32 nibbles one vpermw: ~0.25
+ * instructions a weight against emit16's ~0.55. */
+static inline __m512i bf16_tables(float s0, float m0, float s1, float m1) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_castsi256_si512(
-        f32x16_to_bf16(_mm512_fmadd_ps(_mm512_set1_ps(s), q, _mm512_set1_ps(m))));
+    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(s0), q, _mm512_set1_ps(m0));
+    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(s1), q, _mm512_set1_ps(m1));
+#if defined(__AVX512BF16__)
+    return (__m512i)_mm512_cvtne2ps_pbh(t1, t0); /* t0 in the lower half */
+#else
+    return _mm512_inserti64x4(_mm512_castsi256_si512(f32x16_to_bf16(t0)), f32x16_to_bf16(t1), 1);
+#endif
 }
 
 /* A row's 32 bytes (columns 0-15 in b0, 16-31 in b1): low nibbles sub-block (s0, m0) to
- * out[0 .. 32), high nibbles sub-block (s1, m1) to out[32 .. 64). */
+ * out[0 .. 32), high nibbles sub-block (s1, m1) to out[32 .. 64) (indices 16-31). */
 static inline void emit64_bf16(uint16_t *out, __m128i b0, __m128i b1, float s0, float m0,
                                float s1, float m1) {
     const __m512i w =
         _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1));
-    const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(0xF)), hi = _mm512_srli_epi16(w, 4);
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(lo, bf16_table16(s0, m0)));
-    _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(hi, bf16_table16(s1, m1)));
+    const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(0xF));
+    const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi16(16));
+    const __m512i t = bf16_tables(s0, m0, s1, m1);
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(lo, t));
+    _mm512_storeu_si512(out + 32, _mm512_permutexvar_epi16(hi, t));
 }
 #define TABLE_BF16 1
 #else
