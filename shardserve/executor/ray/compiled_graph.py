@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import ray
@@ -81,9 +81,14 @@ class CompiledStepGraph:
         pc = self._pc
         return pc.layout.output_rank if pc.pipeline_parallel_size == 1 else 0
 
-    def execute(self, inputs: tuple) -> Any:
-        """Start one step; its refs, for `read`."""
-        return self._graph.execute(inputs)
+    def execute(self, inputs: tuple, death_cause: Callable[[float], str | None]) -> Any:
+        """Start one step; its refs, for `read`. An actor's death can close the graph's input
+        channel before its watcher has told anyone (RayChannelError on the write): that is the
+        same death as a failed read, and is raised as one."""
+        try:
+            return self._graph.execute(inputs)
+        except Exception as e:
+            self._raise_why_it_failed(e, death_cause)
 
     def read(self, refs: Any, deadline: float, timeout: float,
              death_cause: Callable[[float], str | None]) -> list[Any]:
@@ -94,13 +99,18 @@ class CompiledStepGraph:
         except ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(f"a compiled-graph step took longer than {timeout} s") from e
         except Exception as e:  # Ray tears the graph down when an actor dies
-            if self.failure is not None:  # a rank failed; the others were stopped
-                # Its cause stays the rank's traceback; Ray's error is only the context.
-                raise self.failure.error.to_exception("execute_step")  # noqa: B904
-            cause = death_cause(1.0)
-            if cause is not None:
-                raise EngineDeadError(cause) from e
-            raise
+            self._raise_why_it_failed(e, death_cause)
+
+    def _raise_why_it_failed(self, error: Exception,
+                             death_cause: Callable[[float], str | None]) -> NoReturn:
+        if self.failure is not None:  # a rank failed; the others were stopped
+            # Its cause stays the rank's traceback; Ray's error (being handled by the caller)
+            # is only the context.
+            raise self.failure.error.to_exception("execute_step")
+        cause = death_cause(1.0)
+        if cause is not None:
+            raise EngineDeadError(cause) from error
+        raise error
 
     def _watch_failures(self, on_failure: Callable[[RemoteFailure], None]) -> None:
         refs = {a.next_failure.remote(): r for r, a in enumerate(self._actors)}

@@ -143,7 +143,7 @@ class RayDistributedExecutor(Executor):
             self._graph = CompiledStepGraph(self.actors, self.parallel_config,
                                             self._on_graph_failure)
         graph = self._graph
-        refs = graph.execute(inputs)
+        refs = graph.execute(inputs, self._death_cause)
         deadline = time.monotonic() + timeout
 
         def fetch(_wait_s: float | None) -> Any:  # the step's deadline bounds it (see read)
