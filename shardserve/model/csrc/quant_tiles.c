@@ -360,7 +360,7 @@ int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant
                          : type == T_T6K ? t6k_fns
                                          : t4_fns;
     const int64_t tiles = N / 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t b0 = 0; b0 < B; b0 += FUSED_MAX_B) {
             const int64_t nb = B - b0 < FUSED_MAX_B ? B - b0 : FUSED_MAX_B;
