@@ -68,8 +68,9 @@ int quant_decode_tiled_panel(int type, const uint8_t *w, int64_t row_bytes, int6
 int quant_block_shape(int type, int *elems, int *bytes);
 
 /* quant_gemm_amx.c: the panel GEMM's bfloat16 products on AMX (its header draws x's layout):
- * whether this process may use it (or turn it off), x's bytes there, row b of x packed, a thread's tile
- * configuration loaded / released, and otile [B, nt_stride] += x @ panel^T over one chunk. */
+ * whether this process may use it (or turn it off), x's bytes there, row b of x packed, a
+ * thread's tile configuration loaded / released, and otile [B, nt_stride] += x @ panel^T over
+ * one chunk. */
 int gemm_amx_ready(void);
 int gemm_amx_set(int on);
 size_t gemm_amx_x_bytes(int64_t B, int64_t K);

@@ -23,6 +23,21 @@
 
 #include "quant_blocks.h"
 
+/* x's layout (plain C: every build has it; only AMX builds call it). */
+size_t gemm_amx_x_bytes(int64_t B, int64_t K) { return (size_t)((B + 15) / 16 * 16 * K * 2); }
+
+/* Row b of x (bfloat16, unit column stride) into xv; the rows past B of the last block are
+ * zeroed by the caller of row B - 1 (each row's thread writes only its own lanes). */
+void gemm_amx_pack_x(const uint16_t *x, int64_t xs, int64_t b, int64_t B, int64_t K,
+                     uint32_t *xv) {
+    uint32_t *blk = xv + b / 16 * 16 * (K / 2);
+    const uint16_t *row = x + b * xs;
+    for (int64_t kp = 0; kp < K / 2; kp++) memcpy(blk + kp * 16 + b % 16, row + 2 * kp, 4);
+    if (b == B - 1)
+        for (int64_t r = b % 16 + 1; r < 16; r++)
+            for (int64_t kp = 0; kp < K / 2; kp++) blk[kp * 16 + r] = 0;
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -71,20 +86,6 @@ static const tile_config_t tile_config __attribute__((aligned(64))) = {
 void gemm_amx_begin(void) { _tile_loadconfig(&tile_config); }
 
 void gemm_amx_end(void) { _tile_release(); }
-
-size_t gemm_amx_x_bytes(int64_t B, int64_t K) { return (size_t)((B + 15) / 16 * 16 * K * 2); }
-
-/* Row b of x (bfloat16, unit column stride) into xv; the rows past B of the last block are
- * zeroed by the caller of row B - 1 (each row's thread writes only its own lanes). */
-void gemm_amx_pack_x(const uint16_t *x, int64_t xs, int64_t b, int64_t B, int64_t K,
-                     uint32_t *xv) {
-    uint32_t *blk = xv + b / 16 * 16 * (K / 2);
-    const uint16_t *row = x + b * xs;
-    for (int64_t kp = 0; kp < K / 2; kp++) memcpy(blk + kp * 16 + b % 16, row + 2 * kp, 4);
-    if (b == B - 1)
-        for (int64_t r = b % 16 + 1; r < 16; r++)
-            for (int64_t kp = 0; kp < K / 2; kp++) blk[kp * 16 + r] = 0;
-}
 
 /* otile[r * nt_stride + m] += sums[m][r] for the rows of x and weight rows that exist. */
 static void add_transposed(const float *sums, float *otile, int64_t nt_stride, int64_t rows,
@@ -139,11 +140,6 @@ int gemm_amx_ready(void) { return 0; }
 int gemm_amx_set(int on) { return (void)on, 0; }
 void gemm_amx_begin(void) {}
 void gemm_amx_end(void) {}
-size_t gemm_amx_x_bytes(int64_t B, int64_t K) { return (size_t)((B + 15) / 16 * 16 * K * 2); }
-void gemm_amx_pack_x(const uint16_t *x, int64_t xs, int64_t b, int64_t B, int64_t K,
-                     uint32_t *xv) {
-    (void)x, (void)xs, (void)b, (void)B, (void)K, (void)xv;
-}
 void gemm_amx_chunk(const uint16_t *panel, int64_t ps, const uint32_t *xv, int64_t B, int64_t K,
                     int64_t k0, int64_t kc, float *otile, int64_t nt, int64_t nt_stride) {
     (void)panel, (void)ps, (void)xv, (void)B, (void)K, (void)k0, (void)kc, (void)otile,

@@ -145,8 +145,8 @@ void decode_tile_row(int type, const uint8_t *tile, int lane, int64_t K, row_t *
  * 4 rows 1.26x, 1 KB and 4 KB ahead alike; T4 at the default model's shapes 1.13-1.31x. (On
  * Zen 4 T4K lost 0.9x with T6K's prefetch of whole blocks 2 ahead: not measured there with
  * this one yet.) 0 turns it off. */
-#ifndef T4K_PREFETCH
-#define T4K_PREFETCH 2048
+#ifndef NIBBLE_PREFETCH
+#define NIBBLE_PREFETCH 2048
 #endif
 typedef __m512i ivec;
 typedef __m512 fvec;
@@ -191,8 +191,8 @@ ALWAYS_INLINE void tile_dots(int TYPE, int NB, const uint8_t *p, const xquant_t 
     }
 #pragma GCC unroll 8
     for (int c = 0; c < 8; c++) {
-        if (T4K_PREFETCH && c % 2 == 0)
-            __builtin_prefetch(p + T4_Q + 32 * c + T4K_PREFETCH, 0, 3);
+        if (NIBBLE_PREFETCH && c % 2 == 0)
+            __builtin_prefetch(p + T4_Q + 32 * c + NIBBLE_PREFETCH, 0, 3);
         const ivec v = i_u8(p + T4_Q + 32 * c), lo = i_low4(v), hi = i_high4(v);
         for (int i = 0; i < NB; i++) {
             const int16_t *x = xq->q + (b0 + i) * K + 32 * g + 2 * c;
@@ -215,8 +215,8 @@ ALWAYS_INLINE void tile_rows_k4(int NB, const uint8_t *tile, const xquant_t *xq,
             for (int i = 0; i < NB; i++) lo_dot[i] = hi_dot[i] = i_zero();
 #pragma GCC unroll 16
             for (int t = 0; t < 16; t++) {
-                if (T4K_PREFETCH && t % 2 == 0)
-                    __builtin_prefetch(p + T4K_NIB + 512 * pair + 32 * t + T4K_PREFETCH, 0, 3);
+                if (NIBBLE_PREFETCH && t % 2 == 0)
+                    __builtin_prefetch(p + T4K_NIB + 512 * pair + 32 * t + NIBBLE_PREFETCH, 0, 3);
                 const ivec v = i_u8(p + T4K_NIB + 512 * pair + 32 * t);
                 const ivec lo = i_low4(v), hi = i_high4(v);
                 for (int i = 0; i < NB; i++) {
