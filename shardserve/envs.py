@@ -150,6 +150,13 @@ def amx() -> bool:
     return _get_bool("SHARDSERVE_AMX", True)
 
 
+def huge_pages() -> bool:
+    """SHARDSERVE_HUGE_PAGES: weights written at load (repacked, their pieces joined) go into
+    memory advised for 2 MiB pages (model/file_map.py; default on; 0 = plain 4 KiB pages, for
+    comparison)."""
+    return _get_bool("SHARDSERVE_HUGE_PAGES", True)
+
+
 def fused_decode() -> bool:
     """SHARDSERVE_FUSED_DECODE: run decode steps of quantized layers (fewer than 4 rows, one
     tensor-parallel rank) as one C call through the whole layer stack (default on; 0 = layer by

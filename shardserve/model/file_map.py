@@ -1,5 +1,6 @@
-"""Tensors that are views of a read-only file map (a GGUF file's weights used where they lie),
-and giving the resident pages of a view back once its bytes were copied out.
+"""Where the weights' bytes lie: tensors that are views of a read-only file map (a GGUF file's
+weights used where they lie), giving the resident pages of a view back once its bytes were
+copied out, and new memory in huge pages for the weights written at load.
 
 A view costs no memory of its own: its pages are the page cache's, shared by every process that
 maps the file, and count in a process's RSS only once touched. Where a weight had to be
@@ -14,6 +15,10 @@ import warnings
 import weakref
 
 import torch
+
+from shardserve import envs
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 
 # Storage address of each file tensor -> its map (weak: a map goes when its last view does).
 _MAPS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
@@ -53,3 +58,31 @@ def drop_pages(t: torch.Tensor) -> None:
     lo, hi = -(-start // page) * page, end // page * page  # whole pages only: a neighbour's
     if hi > lo:  # partly shared page stays mapped
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def weight_memory(rows: int, row_bytes: int) -> torch.Tensor:
+    """New uint8 [rows, row_bytes] for a weight written at load (repacked, its pieces joined),
+    its whole 2 MiB spans advised for transparent huge pages (THP in `madvise` mode, the usual
+    default, gives them only where asked).
+
+    Why: a decode step streams every weight once; in 4 KiB pages that stream takes a TLB miss
+    every 4 KiB. Measured on a Xeon (AMX class, 2 threads, 64 distinct weights so the products
+    come from memory, `quantization.matmul_into` at one row of x): T4K tiles 2048 x 2048 -> 2048
+    35.1 GMAC/s in 4 KiB pages, 47.2 in huge pages (1.34x); 8192 x 2048 36.5 -> 51.3 (1.41x).
+    The start is aligned to 2 MiB (the map is one huge page longer; its untouched ends cost no
+    memory) and the tail short of a whole huge page is not advised, so no page holds more than
+    the weight's own bytes. Unmapped when the last view is freed, as `torch.frombuffer` keeps
+    the map. Without THP (another OS, `never`) the advice fails and the pages are small.
+    """
+    nbytes = rows * row_bytes
+    if nbytes < HUGE_PAGE or not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(rows, row_bytes, dtype=torch.uint8)
+    # MAP_PRIVATE, not Python's default MAP_SHARED: a forked child must not share it.
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    lead = -flat.data_ptr() % HUGE_PAGE
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, lead, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # THP off in this kernel: small pages, as torch.empty's
+        pass
+    return flat[lead:lead + nbytes].view(rows, row_bytes)

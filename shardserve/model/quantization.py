@@ -19,7 +19,7 @@ from itertools import pairwise
 import torch
 
 from shardserve.model import native_kernels, quant_repack
-from shardserve.model.file_map import drop_pages
+from shardserve.model.file_map import drop_pages, weight_memory
 
 # ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -201,7 +201,7 @@ def repack(w: QuantizedTensor) -> QuantizedTensor:
     kind = repacked_type(w)
     if kind is None:
         return w
-    data = torch.empty(w.shape[0], _row_bytes(kind, w.cols), dtype=torch.uint8)
+    data = weight_memory(w.shape[0], _row_bytes(kind, w.cols))
     repack_into(w, data, kind)
     return QuantizedTensor(data, kind, w.cols, w.ggml_type)
 
@@ -417,7 +417,7 @@ def _segment(pieces: list[QuantizedTensor], repack: bool = True) -> QuantizedTen
         data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())
         return QuantizedTensor(data, first.ggml_type, first.cols, first.source_type)
     row_bytes = _row_bytes(kind, first.cols) if kind else first.data.shape[1]
-    data = torch.empty(rows, row_bytes, dtype=torch.uint8)
+    data = weight_memory(rows, row_bytes)
     start = 0
     for piece in pieces:
         dst = data.narrow(0, start, piece.shape[0])

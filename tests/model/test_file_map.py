@@ -1,5 +1,6 @@
-"""file_map: a whole read-only map as a tensor without a copy, and dropping the resident pages
-of views whose bytes were copied out (RssFile read from /proc/self/status)."""
+"""file_map: a whole read-only map as a tensor without a copy, dropping the resident pages of
+views whose bytes were copied out (RssFile read from /proc/self/status), and new weight memory
+in transparent huge pages (AnonHugePages of the map, from /proc/self/smaps)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.model.file_map import drop_pages, file_tensor
+from shardserve.model.file_map import HUGE_PAGE, drop_pages, file_tensor, weight_memory
 
 SIZE = 8 << 20
 
@@ -56,3 +57,59 @@ def test_other_tensors_are_left_alone() -> None:
     t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB of anonymous memory
     drop_pages(t)  # MADV_DONTNEED would zero anonymous pages: must not be applied
     assert torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
+
+
+def thp_mode() -> str:
+    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled ('' without THP)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.split("[")[1].split("]")[0] if "[" in text else ""
+
+
+def map_of(address: int) -> dict[str, int]:
+    """The kB fields of the /proc/self/smaps entry holding `address`."""
+    fields: dict[str, int] = {}
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= address < hi
+            elif inside and line.rstrip().endswith("kB"):
+                fields[head.rstrip(":")] = int(line.split()[1])
+    return fields
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+def test_weight_memory_is_aligned_in_huge_pages_and_exactly_its_bytes() -> None:
+    rows, row_bytes = 1000, 3 * HUGE_PAGE // 1000 + 104  # 3 whole huge pages and a tail
+    t = weight_memory(rows, row_bytes)
+    assert t.shape == (rows, row_bytes) and t.dtype == torch.uint8 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0
+    t.fill_(7)  # every page touched
+    smaps = map_of(t.data_ptr())
+    assert smaps["AnonHugePages"] == 3 * HUGE_PAGE // 1024  # the tail is in small pages
+    assert smaps["Rss"] <= -(-rows * row_bytes // 4096) * 4  # nothing beyond its own bytes
+    assert int(t[-1].sum()) == 7 * row_bytes
+
+
+def test_weight_memory_unmapped_with_its_last_view() -> None:
+    t = weight_memory(4, HUGE_PAGE)
+    address, view = t.data_ptr(), t[1:3]
+    del t
+    assert map_of(address)  # the view keeps the map
+    del view
+    assert not map_of(address)
+
+
+def test_small_weights_and_the_knob_off_take_plain_memory(monkeypatch) -> None:
+    small = weight_memory(16, 1024)
+    assert small.shape == (16, 1024) and small.untyped_storage().nbytes() == 16 * 1024
+    monkeypatch.setenv("SHARDSERVE_HUGE_PAGES", "0")
+    plain = weight_memory(4, HUGE_PAGE)
+    assert plain.untyped_storage().nbytes() == 4 * HUGE_PAGE  # torch's own, no map around it
