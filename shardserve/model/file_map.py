@@ -10,6 +10,7 @@ again, so the file's bytes and their copy are not both resident.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import warnings
 import weakref
@@ -60,6 +61,24 @@ def drop_pages(t: torch.Tensor) -> None:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
+@functools.cache
+def _thp_mode() -> str:
+    """The bracketed mode of Linux's transparent huge pages ('' where there are none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text.split("[")[1].split("]")[0] if "[" in text else ""
+
+
+def huge_pages_on() -> bool:
+    """Whether weight_memory gives huge pages: SHARDSERVE_HUGE_PAGES on (the default) and THP
+    in `madvise` or `always` mode."""
+    return envs.huge_pages() and hasattr(mmap, "MADV_HUGEPAGE") and \
+        _thp_mode() in ("madvise", "always")
+
+
 def weight_memory(rows: int, row_bytes: int) -> torch.Tensor:
     """New uint8 [rows, row_bytes] for a weight written at load (repacked, its pieces joined),
     its whole 2 MiB spans advised for transparent huge pages (THP in `madvise` mode, the usual
@@ -68,14 +87,15 @@ def weight_memory(rows: int, row_bytes: int) -> torch.Tensor:
     Why: a decode step streams every weight once; in 4 KiB pages that stream takes a TLB miss
     every 4 KiB. Measured on a Xeon (AMX class, 2 threads, 64 distinct weights so the products
     come from memory, `quantization.matmul_into` at one row of x): T4K tiles 2048 x 2048 -> 2048
-    35.1 GMAC/s in 4 KiB pages, 47.2 in huge pages (1.34x); 8192 x 2048 36.5 -> 51.3 (1.41x).
+    35.1 GMAC/s in 4 KiB pages, 47.2 in huge pages (1.34x); 8192 x 2048 36.5 -> 51.3 (1.41x);
+    the AVX2 Q4_K rows 2048 x 2048 from a file map's pages 36.6, 4 KiB anonymous 28.7, huge 38.8.
     The start is aligned to 2 MiB (the map is one huge page longer; its untouched ends cost no
     memory) and the tail short of a whole huge page is not advised, so no page holds more than
     the weight's own bytes. Unmapped when the last view is freed, as `torch.frombuffer` keeps
-    the map. Without THP (another OS, `never`) the advice fails and the pages are small.
+    the map. Without huge pages (huge_pages_on) or below one: torch's own small pages.
     """
     nbytes = rows * row_bytes
-    if nbytes < HUGE_PAGE or not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE or not huge_pages_on():
         return torch.empty(rows, row_bytes, dtype=torch.uint8)
     # MAP_PRIVATE, not Python's default MAP_SHARED: a forked child must not share it.
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.model.file_map import HUGE_PAGE, drop_pages, file_tensor, weight_memory
+from shardserve.model.file_map import (
+    HUGE_PAGE,
+    drop_pages,
+    file_tensor,
+    huge_pages_on,
+    weight_memory,
+)
 
 SIZE = 8 << 20
 
@@ -59,15 +65,6 @@ def test_other_tensors_are_left_alone() -> None:
     assert torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
 
 
-def thp_mode() -> str:
-    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled ('' without THP)."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return ""
-    return text.split("[")[1].split("]")[0] if "[" in text else ""
-
-
 def map_of(address: int) -> dict[str, int]:
     """The kB fields of the /proc/self/smaps entry holding `address`."""
     fields: dict[str, int] = {}
@@ -85,7 +82,7 @@ def map_of(address: int) -> dict[str, int]:
     return fields
 
 
-@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+@pytest.mark.skipif(not huge_pages_on(), reason="no transparent huge pages here")
 def test_weight_memory_is_aligned_in_huge_pages_and_exactly_its_bytes() -> None:
     rows, row_bytes = 1000, 3 * HUGE_PAGE // 1000 + 104  # 3 whole huge pages and a tail
     t = weight_memory(rows, row_bytes)

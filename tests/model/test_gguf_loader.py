@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardserve.model import native_kernels as nk
+from shardserve.model.file_map import HUGE_PAGE, huge_pages_on
 from shardserve.model.gguf_loader import read_gguf, unpermute_rope_rows
 from shardserve.model.layers import rope_interleave_perm
 from shardserve.model.llama import LlamaForCausalLM
@@ -58,10 +59,13 @@ def test_file_order_of_q_and_k_is_the_models_order(default_model_path: Path) -> 
         assert torch.equal(hf[rows.reshape(-1)], stored)
 
 
-def test_loaded_layers_keep_file_views_where_no_repack_applies(default_model_path) -> None:
-    """With the portable kernels (no R4 / R8 repack): o, down, the embedding and gate_up (two
-    tensors back to back in the file, one view) stay in the map; q/k/v is one copy (its three
-    tensors are apart in the file, and the fused decode takes one segment per linear)."""
+def test_loaded_layers_keep_file_views_where_no_repack_applies(default_model_path,
+                                                               monkeypatch) -> None:
+    """With the portable kernels (no R4 / R8 repack) and huge pages off: o, down, the embedding
+    and gate_up (two tensors back to back in the file, one view) stay in the map; q/k/v is one
+    copy (its three tensors are apart in the file, and the fused decode takes one segment per
+    linear)."""
+    monkeypatch.setenv("SHARDSERVE_HUGE_PAGES", "0")
     bounds = map_range(default_model_path)
     arch = read_arch(default_model_path)
     with nk.using(nk.build_library(nk.PORTABLE_ARCH)):
@@ -74,6 +78,23 @@ def test_loaded_layers_keep_file_views_where_no_repack_applies(default_model_pat
             assert module.qweight is not None and len(module.qweight.segments) == 1
             data = module.qweight.segments[0][1].data
             assert in_map(data, bounds) == (module is not attn.qkv_proj)
+
+
+@pytest.mark.skipif(not huge_pages_on(), reason="no transparent huge pages here")
+def test_streamed_weights_of_a_huge_page_or_more_are_copied_into_huge_pages(
+        default_model_path) -> None:
+    """With huge pages on (the default): the tied embedding, which the LM head streams every
+    step (Q8_0 49152 x 576, 30 MB), is copied into 2 MiB-aligned huge-page memory; the layers'
+    weights, each under one huge page, stay views of the map as before."""
+    bounds = map_range(default_model_path)
+    arch = read_arch(default_model_path)
+    with nk.using(nk.build_library(nk.PORTABLE_ARCH)):
+        model = LlamaForCausalLM(arch, torch.float32, quantization="gguf")
+        model.load_weights(iter_weights(default_model_path, keep_quantized=True))
+    table = model.model.embed_tokens.qweight.segments[0][1].data
+    assert not in_map(table, bounds) and table.data_ptr() % HUGE_PAGE == 0
+    assert model.lm_head.qweight.segments[0][1].data.data_ptr() == table.data_ptr()
+    assert in_map(model.model.layers[0].mlp.down_proj.qweight.segments[0][1].data, bounds)
 
 
 _MEASURE = """
