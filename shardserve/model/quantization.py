@@ -19,7 +19,7 @@ from itertools import pairwise
 import torch
 
 from shardserve.model import native_kernels, quant_repack
-from shardserve.model.file_map import HUGE_PAGE, drop_pages, huge_pages_on, weight_memory
+from shardserve.model.file_map import drop_pages, huge_pages_on, weight_memory
 
 # ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -328,17 +328,18 @@ class QuantWeight:
         where every layer can be one segment). Otherwise they stay apart, views of the file:
         a weight of several types (Q4_K_M's q/k/v) would be several segments anyway, and
         a second segment costs ~1-5% of that product at batch 1 (one more kernel call).
-        Pieces written into tiles are copies anyway: those of one type always join.
+        Pieces written into tiles or into huge pages (_segment) are copies anyway: those of one
+        type always join.
         """
         order = sorted(pieces.items())
         one_type = len({p.ggml_type for _, p in order}) == 1
         groups: list[list[tuple[int, QuantizedTensor]]] = []
         for offset, piece in order:
             last = groups[-1][-1] if groups else None
-            tiles = repack and last is not None and last[1].ggml_type == piece.ggml_type and \
-                repacked_type(piece) in _TILED
+            copied = repack and last is not None and last[1].ggml_type == piece.ggml_type and \
+                (huge_pages_on() or repacked_type(piece) in _TILED)
             if last is not None and last[0] + last[1].shape[0] == offset and \
-                    ((one_type and join_apart) or tiles or _back_to_back(last[1], piece)):
+                    ((one_type and join_apart) or copied or _back_to_back(last[1], piece)):
                 groups[-1].append((offset, piece))
             else:
                 groups.append([(offset, piece)])
@@ -410,14 +411,15 @@ def _segment(pieces: list[QuantizedTensor], repack: bool = True) -> QuantizedTen
     their layout; else written once into new memory (repacked where repacked_type says), the
     source pages then given back (file_map.drop_pages: a file's pages would stay resident).
     A weight that products stream (`repack`: not an embedding only looked up) is written into
-    huge pages even where a view would do, when it fills one: the file's pages are small, and
-    streamed from them the rows kernels ran 0.78x (AVX2, Q4_K; file_map.weight_memory)."""
+    huge pages even where a view would do: the file's pages are small (file_map.weight_memory;
+    AMX Xeon, 2 threads, batch 1: the 1B Q4_K_M's AVX2 rows 1.27x, the default model's 1.06x
+    at native and 1.06-1.15x at avx2, same RSS)."""
     first, rows = pieces[0], sum(p.shape[0] for p in pieces)
     # A tile may not straddle two pieces (each is repacked on its own).
     kind = repacked_type(first, tiled=all(p.shape[0] % 16 == 0 for p in pieces)) \
         if repack else None
     row_bytes = _row_bytes(kind, first.cols) if kind else first.data.shape[1]
-    into_huge_pages = repack and rows * row_bytes >= HUGE_PAGE and huge_pages_on()
+    into_huge_pages = repack and huge_pages_on()
     if kind is None and not into_huge_pages and \
             all(_back_to_back(a, b) for a, b in pairwise(pieces)):
         data = first.data.as_strided((rows, first.data.shape[1]), first.data.stride())

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from shardserve.model import file_map
 from shardserve.model.file_map import (
+    ARENA_BYTES,
     HUGE_PAGE,
     drop_pages,
     file_tensor,
@@ -104,9 +106,26 @@ def test_weight_memory_unmapped_with_its_last_view() -> None:
     assert not map_of(address)
 
 
-def test_small_weights_and_the_knob_off_take_plain_memory(monkeypatch) -> None:
-    small = weight_memory(16, 1024)
-    assert small.shape == (16, 1024) and small.untyped_storage().nbytes() == 16 * 1024
+@pytest.mark.skipif(not huge_pages_on(), reason="no transparent huge pages here")
+def test_small_weights_share_an_arena_that_goes_with_its_last_weight(monkeypatch) -> None:
+    monkeypatch.setattr(file_map, "_arena", [lambda: None, 0, 0])  # not one a model left
+    a, b = weight_memory(3, 100), weight_memory(16, 1024)
+    assert b.data_ptr() == a.data_ptr() + 320  # the next 64-byte boundary, same map
+    a.fill_(1), b.fill_(2)
+    assert int(a.sum()) == 300 and int(b.sum()) == 2 * 16 * 1024
+    big = weight_memory(1, ARENA_BYTES)  # past what is left of it: a map of its own
+    assert big.data_ptr() % HUGE_PAGE == 0 and not a.data_ptr() <= big.data_ptr() < b.data_ptr()
+    address = a.data_ptr()
+    del a
+    assert map_of(address)
+    del b
+    assert not map_of(address)
+    c = weight_memory(2, 64)  # a new arena, from a huge page's start
+    assert c.data_ptr() % HUGE_PAGE == 0
+
+
+def test_the_knob_off_takes_plain_memory(monkeypatch) -> None:
     monkeypatch.setenv("SHARDSERVE_HUGE_PAGES", "0")
-    plain = weight_memory(4, HUGE_PAGE)
-    assert plain.untyped_storage().nbytes() == 4 * HUGE_PAGE  # torch's own, no map around it
+    for shape in ((16, 1024), (4, HUGE_PAGE)):
+        plain = weight_memory(*shape)
+        assert plain.untyped_storage().nbytes() == shape[0] * shape[1]  # torch's, no map

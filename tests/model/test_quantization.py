@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 
 from shardserve.model import native_kernels as nk
 from shardserve.model import quantization as q
+from shardserve.model.file_map import huge_pages_on
 
 pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
 
@@ -182,10 +183,27 @@ def test_int8_per_channel_quantization():
     assert q.quantize_int8(torch.randn(4, 40)) is None  # 40 columns: not whole blocks
 
 
-def test_mixed_type_pieces_stay_apart_unless_back_to_back():
-    """A Q4_K_M-style q/k/v (q, k Q4_K; v Q6_K): joining q and k would copy them and still
-    leave two segments, so they stay as they are; rows back to back in one tensor join by a
-    view; pieces of one type apart join by a copy unless join_apart=False."""
+@pytest.mark.skipif(not huge_pages_on(), reason="no transparent huge pages here")
+def test_streamed_pieces_are_copied_into_huge_pages_and_join_by_type():
+    """With huge pages on, every streamed piece is a copy in huge-page memory (file_map), so
+    pieces of one type join even where they lie apart; a lookup-only weight (repack=False) keeps
+    its views."""
+    q_, k, v = (random_blocks(t, n, 256, seed=n) for t, n in ((12, 8), (12, 4), (14, 5)))
+    w = q.QuantWeight.from_pieces({0: q_, 8: k, 12: v}, 17, join_apart=False)
+    assert [off for off, _ in w.segments] == [0, 12]
+    sources = {t.data.data_ptr() for t in (q_, k, v)}
+    assert not sources & {seg.data.data_ptr() for _, seg in w.segments}
+    assert torch.equal(w.dequantize(torch.float32),
+                       torch.cat([reference(q_), reference(k), reference(v)]))
+    kept = q.QuantWeight.from_pieces({0: q_}, 8, repack=False)
+    assert kept.segments[0][1].data.data_ptr() == q_.data.data_ptr()
+
+
+def test_mixed_type_pieces_stay_apart_unless_back_to_back(monkeypatch):
+    """With huge pages off: a Q4_K_M-style q/k/v (q, k Q4_K; v Q6_K): joining q and k would
+    copy them and still leave two segments, so they stay as they are; rows back to back in one
+    tensor join by a view; pieces of one type apart join by a copy unless join_apart=False."""
+    monkeypatch.setenv("SHARDSERVE_HUGE_PAGES", "0")
     q_, k, v = (random_blocks(t, n, 256, seed=n) for t, n in ((12, 8), (12, 4), (14, 5)))
     want = torch.cat([reference(q_), reference(k), reference(v)])
     apart = q.QuantWeight.from_pieces({0: q_, 8: k, 12: v}, 17)
