@@ -31,13 +31,13 @@ softmax row is fully masked.
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from shardserve.model import native_kernels
+from shardserve.model.huge_pages import huge_page_memory
 
 KV_DIM = 2  # index of the K/V axis in a layer's cache tensor
 
@@ -240,15 +240,14 @@ def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     torch.zeros writes every byte up front: with the default 10% of RAM that was 1.3 s of a
     2-core machine's cold start, for blocks a short run never uses. Anonymous memory is zero by
     definition and costs nothing until touched (an untouched page read maps the shared zero
-    page). MAP_PRIVATE, not Python's default MAP_SHARED: a forked child must not share it. The
-    tensor holds the mmap object, which is unmapped when the last view of it is freed.
+    page). In huge pages where Linux gives them (model/huge_pages.py: at long contexts decode
+    streams much of the cache); unmapped when the last view of it is freed.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    return huge_page_memory(nbytes).view(dtype).view(shape)
 
 
 def paged_attention(

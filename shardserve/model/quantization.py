@@ -19,7 +19,8 @@ from itertools import pairwise
 import torch
 
 from shardserve.model import native_kernels, quant_repack
-from shardserve.model.file_map import drop_pages, huge_pages_on, weight_memory
+from shardserve.model.file_map import drop_pages
+from shardserve.model.huge_pages import huge_pages_on, weight_memory
 
 # ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -411,7 +412,7 @@ def _segment(pieces: list[QuantizedTensor], repack: bool = True) -> QuantizedTen
     their layout; else written once into new memory (repacked where repacked_type says), the
     source pages then given back (file_map.drop_pages: a file's pages would stay resident).
     A weight that products stream (`repack`: not an embedding only looked up) is written into
-    huge pages even where a view would do: the file's pages are small (file_map.weight_memory;
+    huge pages even where a view would do: the file's pages are small (model/huge_pages.py;
     AMX Xeon, 2 threads, batch 1: the 1B Q4_K_M's AVX2 rows 1.27x, the default model's 1.06x
     at native and 1.06-1.15x at avx2, same RSS)."""
     first, rows = pieces[0], sum(p.shape[0] for p in pieces)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from shardserve.model import native_kernels as nk
-from shardserve.model.file_map import HUGE_PAGE, huge_pages_on
 from shardserve.model.gguf_loader import read_gguf, unpermute_rope_rows
+from shardserve.model.huge_pages import HUGE_PAGE, huge_pages_on
 from shardserve.model.layers import rope_interleave_perm
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, read_arch

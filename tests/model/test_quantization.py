@@ -26,7 +26,7 @@ from gguf.quants import dequantize
 
 from shardserve.model import native_kernels as nk
 from shardserve.model import quantization as q
-from shardserve.model.file_map import huge_pages_on
+from shardserve.model.huge_pages import huge_pages_on
 
 pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
 
