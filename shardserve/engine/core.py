@@ -266,6 +266,10 @@ class EngineCore:
                     pass
 
     def sleep(self, level: int = 1) -> None:
+        if self.config.model_config.enable_sleep_mode is False:
+            raise RuntimeError("sleep() is off: this engine was built with "
+                               "enable_sleep_mode=False; pass enable_sleep_mode=True (or leave "
+                               "it unset) to free its memory while idle")
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("sleep() needs an idle engine; finish or abort the requests first")
         # Steps still in flight can only hold requests that have finished (a front end that

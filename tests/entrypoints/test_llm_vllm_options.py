@@ -69,3 +69,22 @@ def test_gpu_only_options_are_accepted_on_cpu_and_said_once(tiny_llama_dir, capl
         assert sum(words in m for m in said) == 1, (words, said)
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
         engine_config_from_kwargs(str(tiny_llama_dir), gpu_memory_utilization=1.5)
+
+
+def test_enable_sleep_mode_is_honoured(tiny_llama_dir):
+    """vLLM's enable_sleep_mode: False refuses sleep() with the option named; True (like unset)
+    sleeps and wakes, and the engine generates afterwards."""
+    off = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, enable_sleep_mode=False)
+    try:
+        with pytest.raises(RuntimeError, match="enable_sleep_mode=False"):
+            off.sleep(level=1)
+        assert off.generate(["hi"], use_tqdm=False)[0].outputs[0].token_ids  # still healthy
+    finally:
+        off.shutdown()
+    on = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, enable_sleep_mode=True)
+    try:
+        on.sleep(level=1)
+        on.wake_up()
+        assert on.generate(["hi"], use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        on.shutdown()
