@@ -151,9 +151,9 @@ def amx() -> bool:
 
 
 def huge_pages() -> bool:
-    """SHARDSERVE_HUGE_PAGES: weights written at load (repacked, their pieces joined) go into
-    memory advised for 2 MiB pages (model/file_map.py; default on; 0 = plain 4 KiB pages, for
-    comparison)."""
+    """SHARDSERVE_HUGE_PAGES: the weights products stream and the KV cache go into memory
+    advised for 2 MiB pages (model/huge_pages.py; default on; 0 = 4 KiB pages, quantized
+    weights left where they lie in the file's map where their layout allows)."""
     return _get_bool("SHARDSERVE_HUGE_PAGES", True)
 
 

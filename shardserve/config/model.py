@@ -104,8 +104,8 @@ class ModelConfig:
     enforce_eager: bool = False
     """vLLM's switch off CUDA graphs: shardserve runs eagerly always, so it changes nothing."""
     enable_sleep_mode: bool | None = None
-    """vLLM's switch for sleep() / wake_up(): False refuses them (vLLM's default); True or
-    unset allows them (shardserve needs no preparation for it)."""
+    """vLLM's switch for sleep(): False refuses it (vLLM's default); True or unset allows it
+    (shardserve needs no preparation for it)."""
     quantization: str = "auto"
     """gguf: compute with a GGUF file's quantized blocks as stored (Q4_0, Q4_1, Q8_0, Q4_K,
     Q5_K, Q6_K; other types are dequantized); int8: quantize the decoder's linear weights per

@@ -69,8 +69,8 @@ def _view(buf: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
 
 def huge_page_memory(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] of zeroed memory (zero-filled on first touch, like any anonymous map) in a
-    map of its own, 2 MiB-aligned, in huge pages where huge_pages_on says so."""
-    if not huge_pages_on():
+    map of its own, 2 MiB-aligned, in huge pages where huge_pages_on says so and it fills one."""
+    if nbytes < HUGE_PAGE or not huge_pages_on():
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
         return torch.frombuffer(buf, dtype=torch.uint8)
     buf, lead = _huge_map(nbytes)
