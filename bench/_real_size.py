@@ -127,14 +127,20 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
             if rounds > 1:
                 ranges = [spread(samples.ratios((name, c), (LLAMA, c))) for c in cols]
                 print(f"{'  range':<14}" + "".join(f"{x:>11}" for x in ranges))
+    b1 = f"B={shape['batches'][0]}"
+    tg = f"tg{shape['tg']}"
+    if has_llama:  # the acceptance's batch-1 figure: llama.cpp's is its llama-bench tg
+        for name in names:
+            if name != LLAMA:
+                per = samples.ratios((name, b1), (LLAMA, tg))
+                print(f"{name:<14}{b1} over llama.cpp's {tg}: {median_or_nan(per):.2f}x "
+                      f"({spread(per)})")
     bw = samples.values((MACHINE, "GB/s"))
     bounds = [g * 1e9 / bytes_per_token for g in bw]
     print(f"\nbatch 1: {bytes_per_token / 1e6:.1f} MB of weights read per token (file tensors, "
           f"one embedding row); read bandwidth {median_or_nan(bw):.1f} GB/s ({spread(bw, '.1f')})"
           f" -> bound {median_or_nan(bounds):.1f} tok/s; bare import torch "
           f"{samples.median((MACHINE, 'import torch s')):.2f} s")
-    b1 = f"B={shape['batches'][0]}"
-    tg = f"tg{shape['tg']}"
     for name in names:
         for col in (b1, tg):
             shares = [v / b for v, b in zip(samples.values((name, col)), bounds, strict=False)]

@@ -124,6 +124,8 @@ typedef struct {
     float *xs;
     float *xs32; /* [B, K/32]: xs of both halves */
     int8_t *q8;  /* [B, K]; NULL: x is int16 */
+    int16_t *xu; /* [B, K]: q with each 32 in vpunpck order (quant_rows.c's AVX2 Q6_K rows at one
+                    row of x: unpack_order_x); NULL: not made */
 } xquant_t;
 
 /* A decoded weight row: per sub-block of 32 the integers q, per half the scale s and the

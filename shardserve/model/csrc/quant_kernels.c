@@ -261,6 +261,14 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     }
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
+    if (!int8 && rows_take_unpack_x(type, B)) {
+        xq.xu = malloc(sizeof(int16_t) * (size_t)K);
+        if (!xq.xu) {
+            rc = -1;
+            goto done;
+        }
+        unpack_order_x(xq.q, K, xq.xu);
+    }
     const rows_fn *int8_fns = int8 ? int8_row_fns(type) : NULL;
     if (int8_fns != NULL) {
         run_rows(int8_fns, w, row_bytes, &xq, B, N, K, out, out_stride, out_dtype, threads);
@@ -286,6 +294,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     }
     free_rows(rows, threads);
 done:
+    free(xq.xu);
     free(xq.q8);
     free(xq.q);
     free(xq.d);

@@ -218,6 +218,56 @@ ALWAYS_INLINE void kquant_block1(int TYPE, const uint8_t *blk, int bytes, const 
     }
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)), _mm256_load_ps(sd), *acc);
 }
+
+/* 32 byte values (0..63) times x in xu's order: vpunpck{l,h}bw with zero widens them in place,
+ * the low one holding values 0-7 and 16-23, the high one 8-15 and 24-31, which is why xu holds
+ * each 32 of x as x[0:8] x[16:24] x[8:16] x[24:32]. Lanes 0-3: sums of the first 16 values,
+ * 4-7 of the rest: the same integers as halves_dot's, from one register of bytes. */
+ALWAYS_INLINE __m256i unpack_dot(__m256i w, const int16_t *xu) {
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_unpacklo_epi8(w, z), _mm256_loadu_si256((const __m256i *)xu)),
+        _mm256_madd_epi16(_mm256_unpackhi_epi8(w, z),
+                          _mm256_loadu_si256((const __m256i *)(xu + 16))));
+}
+
+/* Q6_K at one row of x (unpack_dot): a value is its low nibble and two high bits put together
+ * in byte lanes (16-bit shifts: the bits kept never cross a byte), where kquant_block1 does it
+ * on 16-bit lanes, two registers per 32; per half of 128 three horizontal adds and a permute
+ * put the 8 sums in kquant_block1's order (half h of sub-block k in lane 2k + h), so the float
+ * step and the result are the same. The same vpmaddwd count, ~20% fewer other instructions:
+ * Zen 3, x86-64-v3, 2 threads, from memory (bench/quant_gemm_ab.py --product rows --distinct 8)
+ * 1.08x / 1.09x / 1.12x at 2048 -> 8192 / 8192 -> 2048 / 2048 -> 49152; the 1B Q4_K_M's batch-1
+ * decode step 1.02x (0.99-1.10, 7 rounds, libraries alternating). Not faster: x as two bytes
+ * (q = 256 hi + lo) against the byte values by vpmaddubsw, twice the multiplies: Q6_K 1.00-1.12x,
+ * Q4_K 0.84-0.90x (its decode was already cheap; the multiplies are what Zen 3 runs out of). */
+ALWAYS_INLINE void k6_block1_unpack(const uint8_t *blk, const int16_t *xu, const float *sd,
+                                    acc_t *acc) {
+    for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + 2048 + l, _MM_HINT_T0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const int16_t *a = xu + 128 * h;
+        const __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        const __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_and_si256(qh, m30));
+        const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        const __m256i s0 = unpack_dot(v0, a), s1 = unpack_dot(v1, a + 32);
+        const __m256i s2 = unpack_dot(v2, a + 64), s3 = unpack_dot(v3, a + 96);
+        /* [s0..s3 first halves | s0..s3 second halves] -> [s0 first, s0 second, s1 first, ...] */
+        const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+        const __m256i sums =
+            _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_load_ps(sd + 8 * h), *acc);
+    }
+}
+
 #endif
 
 ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant_t *xq,
@@ -225,7 +275,7 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
     const int bytes = TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
     const int64_t nsub = K / 32;
     const xquant_t x = {xq->q + b0 * K, xq->d + b0 * nsub, xq->xs + b0 * (K / 16),
-                        xq->xs32 + b0 * nsub};
+                        xq->xs32 + b0 * nsub, NULL, xq->xu ? xq->xu + b0 * K : NULL};
     acc_t acc[FUSED_MAX_B];
     __m256 macc[FUSED_MAX_B];
     for (int i = 0; i < NB; i++) acc[i] = acc_zero(), macc[i] = _mm256_setzero_ps();
@@ -237,6 +287,10 @@ ALWAYS_INLINE void kquant_row(int TYPE, int NB, const uint8_t *row, const xquant
         else
             k4_scales(NB, blk, &x, 8 * bi, nsub, sd, macc);
 #if !defined(__AVX512BW__)
+        if (NB == 1 && TYPE == T_Q6_K && x.xu != NULL) {
+            k6_block1_unpack(blk, x.xu + 256 * bi, sd[0], &acc[0]);
+            continue;
+        }
         if (NB == 1) {
             kquant_block1(TYPE, blk, bytes, x.q + 256 * bi, sd[0], &acc[0]);
             continue;
@@ -332,6 +386,17 @@ void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xqu
 }
 
 ROWS_TABLES_BY_TYPE(fused_row_fns, fused_row)
+
+int rows_take_unpack_x(int type, int64_t B) { return KQ_AVX2 && B == 1 && type == T_Q6_K; }
+
+void unpack_order_x(const int16_t *q, int64_t n, int16_t *xu) {
+    for (int64_t i = 0; i < n; i += 32) {
+        memcpy(xu + i, q + i, 16);           /* x[0:8] */
+        memcpy(xu + i + 8, q + i + 16, 16);  /* x[16:24] */
+        memcpy(xu + i + 16, q + i + 8, 16);  /* x[8:16] */
+        memcpy(xu + i + 24, q + i + 24, 16); /* x[24:32] */
+    }
+}
 
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
