@@ -231,11 +231,10 @@ ALWAYS_INLINE __m256i unpack_dot(__m256i w, const int16_t *xu) {
                           _mm256_loadu_si256((const __m256i *)(xu + 16))));
 }
 
-/* Q6_K at one row of x (unpack_dot): a value is its low nibble and two high bits put together
- * in byte lanes (16-bit shifts: the bits kept never cross a byte), where kquant_block1 does it
- * on 16-bit lanes, two registers per 32; per half of 128 three horizontal adds and a permute
- * put the 8 sums in kquant_block1's order (half h of sub-block k in lane 2k + h), so the float
- * step and the result are the same. The same vpmaddwd count, ~20% fewer other instructions:
+/* Q6_K at one row of x (unpack_dot): the values in byte lanes (quant_blocks.h's k6_bytes),
+ * where kquant_block1 puts them together on 16-bit lanes, two registers per 32; per half of 128
+ * three horizontal adds and a permute put the 8 sums in kquant_block1's order (half h of
+ * sub-block k in lane 2k + h), so the float step and the result are the same. The same vpmaddwd count, ~20% fewer other instructions:
  * Zen 3, x86-64-v3, 2 threads, from memory (bench/quant_gemm_ab.py --product rows --distinct 8)
  * 1.08x / 1.09x / 1.12x at 2048 -> 8192 / 8192 -> 2048 / 2048 -> 49152; the 1B Q4_K_M's batch-1
  * decode step 1.02x (0.99-1.10, 7 rounds, libraries alternating). Not faster: x as two bytes
@@ -244,20 +243,13 @@ ALWAYS_INLINE __m256i unpack_dot(__m256i w, const int16_t *xu) {
 ALWAYS_INLINE void k6_block1_unpack(const uint8_t *blk, const int16_t *xu, const float *sd,
                                     acc_t *acc) {
     for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + 2048 + l, _MM_HINT_T0);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
         const int16_t *a = xu + 128 * h;
-        const __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, m4),
-                                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-        const __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-        const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                           _mm256_and_si256(qh, m30));
-        const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        const __m256i v0 = k6_bytes(l0, qh, 0), v1 = k6_bytes(l1, qh, 1);
+        const __m256i v2 = k6_bytes(l0, qh, 2), v3 = k6_bytes(l1, qh, 3);
         const __m256i s0 = unpack_dot(v0, a), s1 = unpack_dot(v1, a + 32);
         const __m256i s2 = unpack_dot(v2, a + 64), s3 = unpack_dot(v3, a + 96);
         /* [s0..s3 first halves | s0..s3 second halves] -> [s0 first, s0 second, s1 first, ...] */
