@@ -401,4 +401,8 @@ void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8,
 /* The same into q (int16) at most qmax, with d and xs32 only (quant_gemm_i16.c). */
 void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, float *d,
                         float *xs32);
+/* Whether the row kernels take x of `B` rows in xquant_t's xu too (quant_rows.c's AVX2 Q6_K rows
+ * at one row of x), and n int16 of q (a multiple of 32) into xu's order. */
+int rows_take_unpack_x(int type, int64_t B);
+void unpack_order_x(const int16_t *q, int64_t n, int16_t *xu);
 #endif

@@ -60,10 +60,6 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
  * row of x where only that one is its own; NULL where it has none (quant_rows.c's then take it). */
 const rows_fn *avx2_row_fns(int type);
 rows_fn avx2_one_row_fn(int type);
-/* quant_rows.c: whether its rows take x of `B` rows in xquant_t's xu too (the AVX2 build's Q6_K
- * rows at one row of x), and n int16 (a multiple of 32) into that order. */
-int rows_take_unpack_x(int type, int64_t B);
-void unpack_order_x(const int16_t *q, int64_t n, int16_t *xu);
 /* quant_rows.c: its own row kernels' table for a block type (Q4_0 ... Q6_K); NULL for others. */
 const rows_fn *fused_row_fns(int type);
 /* quant_rows.c: a table's kernels over N weight rows, tasks of 16 rows split among threads. */

@@ -219,27 +219,21 @@ ALWAYS_INLINE void kquant_block1(int TYPE, const uint8_t *blk, int bytes, const 
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)), _mm256_load_ps(sd), *acc);
 }
 
-/* 32 byte values (0..63) times x in xu's order: vpunpck{l,h}bw with zero widens them in place,
- * the low one holding values 0-7 and 16-23, the high one 8-15 and 24-31, which is why xu holds
- * each 32 of x as x[0:8] x[16:24] x[8:16] x[24:32]. Lanes 0-3: sums of the first 16 values,
- * 4-7 of the rest: the same integers as halves_dot's, from one register of bytes. */
+/* 32 byte values (0..63) times x in xu's order (vpunpck{l,h}bw with zero: values 0-7 and 16-23
+ * in the low one, 8-15 and 24-31 in the high one). Lanes 0-3: sums of the first 16 values, 4-7
+ * of the rest: the same integers as halves_dot's, from one register of bytes. */
 ALWAYS_INLINE __m256i unpack_dot(__m256i w, const int16_t *xu) {
-    const __m256i z = _mm256_setzero_si256();
-    return _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_unpacklo_epi8(w, z), _mm256_loadu_si256((const __m256i *)xu)),
-        _mm256_madd_epi16(_mm256_unpackhi_epi8(w, z),
-                          _mm256_loadu_si256((const __m256i *)(xu + 16))));
+    const __m256i z = _mm256_setzero_si256(), *x = (const __m256i *)xu;
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(w, z), _mm256_loadu_si256(x)),
+                            _mm256_madd_epi16(_mm256_unpackhi_epi8(w, z), _mm256_loadu_si256(x + 1)));
 }
 
 /* Q6_K at one row of x (unpack_dot): the values in byte lanes (quant_blocks.h's k6_bytes),
  * where kquant_block1 puts them together on 16-bit lanes, two registers per 32; per half of 128
  * three horizontal adds and a permute put the 8 sums in kquant_block1's order (half h of
- * sub-block k in lane 2k + h), so the float step and the result are the same. The same vpmaddwd count, ~20% fewer other instructions:
- * Zen 3, x86-64-v3, 2 threads, from memory (bench/quant_gemm_ab.py --product rows --distinct 8)
- * 1.08x / 1.09x / 1.12x at 2048 -> 8192 / 8192 -> 2048 / 2048 -> 49152; the 1B Q4_K_M's batch-1
- * decode step 1.02x (0.99-1.10, 7 rounds, libraries alternating). Not faster: x as two bytes
- * (q = 256 hi + lo) against the byte values by vpmaddubsw, twice the multiplies: Q6_K 1.00-1.12x,
- * Q4_K 0.84-0.90x (its decode was already cheap; the multiplies are what Zen 3 runs out of). */
+ * sub-block k in lane 2k + h), so the float step and the result are the same. ~20% fewer
+ * instructions than kquant_block1's Q6_K, the same vpmaddwd: 1.08-1.12x from memory on Zen 3
+ * (x86-64-v3, 2 threads); what was tried beside it: README, issue 30's Zen 3 paragraph. */
 ALWAYS_INLINE void k6_block1_unpack(const uint8_t *blk, const int16_t *xu, const float *sd,
                                     acc_t *acc) {
     for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + 2048 + l, _MM_HINT_T0);
@@ -378,17 +372,6 @@ void run_rows(const rows_fn *fns, const uint8_t *w, int64_t row_bytes, const xqu
 }
 
 ROWS_TABLES_BY_TYPE(fused_row_fns, fused_row)
-
-int rows_take_unpack_x(int type, int64_t B) { return KQ_AVX2 && B == 1 && type == T_Q6_K; }
-
-void unpack_order_x(const int16_t *q, int64_t n, int16_t *xu) {
-    for (int64_t i = 0; i < n; i += 32) {
-        memcpy(xu + i, q + i, 16);           /* x[0:8] */
-        memcpy(xu + i + 8, q + i + 16, 16);  /* x[16:24] */
-        memcpy(xu + i + 16, q + i + 8, 16);  /* x[8:16] */
-        memcpy(xu + i + 24, q + i + 24, 16); /* x[24:32] */
-    }
-}
 
 int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
