@@ -101,14 +101,7 @@ void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float q
     quantize_row(x, K, dtype, q, NULL, d, NULL, xs32, qmax);
 }
 
-int rows_take_unpack_x(int type, int64_t B) {
-#if QK_SIMD && !defined(__AVX512BW__) /* quant_rows.c's KQ_AVX2 */
-    return B == 1 && type == T_Q6_K;
-#else
-    (void)type, (void)B;
-    return 0;
-#endif
-}
+int rows_take_unpack_x(int type, int64_t B) { return KQ_AVX2 && B == 1 && type == T_Q6_K; }
 
 /* Each 32 of x as x[0:8] x[16:24] x[8:16] x[24:32]: vpunpck{l,h}bw's order (quant_rows.c). */
 void unpack_order_x(const int16_t *q, int64_t n, int16_t *xu) {

@@ -18,6 +18,13 @@
 #else
 #define QK_SIMD 0
 #endif
+/* KQ_AVX2: an AVX2 build without AVX-512, whose K-quant rows hold 32 values in two ymm
+ * (quant_rows.c's w32_t) and take the byte-lane Q6_K rows at one row of x. */
+#if QK_SIMD && !defined(__AVX512BW__)
+#define KQ_AVX2 1
+#else
+#define KQ_AVX2 0
+#endif
 
 /* ggml type ids (the GGUF file's numbers). */
 #define T_Q4_0 2

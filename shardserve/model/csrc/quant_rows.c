@@ -162,11 +162,6 @@ ALWAYS_INLINE w32_t k6_values(w32_t l0, w32_t l1, w32_t qh, int k) {
 /* Q6_K on AVX2 at 2-8 rows of x: sub-block j's two int8 half-scales multiplied into its values
  * once for all rows (|q sc| <= 63 * 128 fits an int16; a lane's 4 products < 2^31), so a row
  * takes one float step per 32 (k_mac's whole-32 form, d * x's scale) instead of two. */
-#if defined(__AVX512BW__) /* KQ_AVX2: the K-quant rows are the AVX2 build's (2 ymm a w32_t) */
-#define KQ_AVX2 0
-#else
-#define KQ_AVX2 1
-#endif
 ALWAYS_INLINE w32_t k6_scaled(w32_t w, const uint8_t *blk, int j) {
 #if KQ_AVX2
     const int8_t *sc = (const int8_t *)(blk + 192);
