@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,6 +86,41 @@ class AttentionMetadata:
         prefill_per_row: bool = False,
     ) -> AttentionMetadata:
         _validate(query_lens, seq_lens, block_tables, block_size)
+        if max(query_lens) == 1:
+            return cls._decodes(seq_lens, block_tables, block_size, torch.device(device))
+        return cls._mixed(query_lens, seq_lens, block_tables, block_size, device,
+                          prefill_per_row)
+
+    @classmethod
+    def _decodes(cls, seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                 to: torch.device) -> AttentionMetadata:
+        """A step of decodes only (the steady state of generation): the same metadata as
+        `_mixed` builds, from a few numpy operations. `_mixed`'s dozen small torch operations
+        cost ~0.3 ms a step, 5% of the default model's batch-1 step."""
+        s = np.asarray(seq_lens, dtype=np.int64)
+        width = max(len(b) for b in block_tables)
+        bt = np.zeros((len(s), width), dtype=np.int64)
+        for row, blocks in zip(bt, block_tables, strict=True):
+            row[:len(blocks)] = blocks
+        positions = s - 1
+        rows = np.arange(len(s))
+        slots = bt[rows, positions // block_size] * block_size + positions % block_size
+        used = -(-int(s.max()) // block_size)  # blocks of the longest context
+        valid = np.arange(used * block_size)[None, :] < s[:, None]
+        decode = _Group(
+            query_index=None, blocks=torch.from_numpy(bt[:, :used].reshape(-1)),
+            seq_lens=torch.from_numpy(s),
+            mask=None if valid.all() else torch.from_numpy(valid[:, None, None, :]),
+            num_reqs=len(s), max_query=1, max_context=used * block_size)
+        return cls(num_tokens=len(s), positions=torch.from_numpy(positions).to(to),
+                   logits_indices=torch.from_numpy(rows).to(to),
+                   slot_mapping=torch.from_numpy(slots).to(to), max_seq_len=int(s.max()),
+                   decode=_group_to(decode, to), prefill_groups=[], output_index=None)
+
+    @classmethod
+    def _mixed(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+               block_size: int, device: torch.device | str,
+               prefill_per_row: bool) -> AttentionMetadata:
         q = torch.tensor(query_lens, dtype=torch.int64)
         s = torch.tensor(seq_lens, dtype=torch.int64)
         bt = pad_block_tables(block_tables)

@@ -72,3 +72,29 @@ def test_prefill_per_row_equals_one_padded_group() -> None:
         assert len(meta.prefill_groups) == (3 if per_row else 1)
         outs.append(paged_attention(q, kv, cache.clone(), meta))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_only_metadata_equals_the_general_build() -> None:
+    """A step of decodes takes the numpy shortcut (AttentionMetadata._decodes): every field
+    equals what the general build (_mixed) makes of the same step, ragged tables and a mask
+    included, and full blocks with no mask."""
+    cases = [([5, 9, 2, 16], [[7, 2], [0, 11, 5], [9], [3, 4, 6, 8]], 4),
+             ([8, 8], [[1, 2], [3, 4]], 4), ([1], [[0]], 16), ([33, 17], [[2, 0, 5], [1, 4]], 16)]
+    for seq_lens, tables, bs in cases:
+        fast = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, bs)
+        general = AttentionMetadata._mixed([1] * len(seq_lens), seq_lens, tables, bs, "cpu",
+                                           False)
+        for name in ("num_tokens", "max_seq_len", "output_index", "prefill_groups"):
+            assert getattr(fast, name) == getattr(general, name), name
+        for name in ("positions", "logits_indices", "slot_mapping"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        a, b = fast.decode, general.decode
+        assert a is not None and b is not None
+        for name in ("query_index", "num_reqs", "max_query", "max_context", "causal_fresh"):
+            assert getattr(a, name) == getattr(b, name), name
+        for name in ("blocks", "seq_lens"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.mask is None) == (b.mask is None), seq_lens
+        if a.mask is not None:
+            assert a.mask.shape == b.mask.shape and torch.equal(a.mask, b.mask)
+    assert AttentionMetadata.build([1, 1], [8, 8], [[1, 2], [3, 4]], 4).decode.mask is None
