@@ -1,5 +1,6 @@
-"""The ISA levels (model/kernel_levels.py): SHARDSERVE_ISA, what a build reports, and every
-level's quantized kernels against the portable build's.
+"""The ISA levels (model/kernel_levels.py): SHARDSERVE_ISA, what a build reports, every
+level's quantized kernels against the portable build's, and its SwiGLU activation (a vector exp
+per level) against torch's.
 
 For each quantized weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K from random blocks; int8 = per
 output channel in the Q8_0 layout), each level this CPU runs besides portable, and each entry point
@@ -301,3 +302,17 @@ def test_a_report_names_the_instruction_sets():
         "AVX2, FMA, F16C, AVX-512 F/BW/VL, VNNI, BF16, AMX-BF16"
     assert kernel_levels.describe(["AVX2", "FMA", "F16C"]) == "AVX2, FMA, F16C"
     assert kernel_levels.describe([]) == "plain C (no AVX2)"
+
+
+@pytest.mark.parametrize("level", nk.levels_buildable_here())
+def test_every_level_silu_mul_agrees_with_torch(level_library, level):
+    """The SwiGLU activation on each level (cpu_kernels.c: the portable expf, AVX2's exp8 for
+    float32, AVX-512's exp16) within float32 rounding of torch's, the exps' clamps and both
+    vector widths' tails (1544 = 96 x 16 + 8) included."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = 4 * torch.randn(3, 2 * 1544, generator=gen)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(1544, dim=-1)
+    with nk.using(level_library(level)):
+        got = nk.silu_mul(gate_up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)

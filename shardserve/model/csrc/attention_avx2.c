@@ -27,25 +27,6 @@ ALWAYS_INLINE __m256 load8(const void *p, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-/* e^x as 2^n * 2^f, |f| <= 1/2 (cpu_kernels.c's exp16 on 8 lanes): 2^f by a degree-6 Taylor
- * polynomial, 2^n put in the exponent bits. x clamped to [-87, 88]: results finite, normal. */
-ALWAYS_INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                         _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* [sum v[0], ..., sum v[7]]. */
 ALWAYS_INLINE __m256 hsum8x8_ps(const __m256 *v) {
     const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));

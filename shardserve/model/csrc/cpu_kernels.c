@@ -498,6 +498,17 @@ int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, in
                                        dtype);
             store16(o + i * esize, _mm512_mul_ps(act, load16(u + i * esize, dtype)), dtype);
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        /* float32 (what AVX2 CPUs run): the scalar steps below 8 lanes at a time, exp8 for
+         * expf. At batch 1 the default model's 30 calls a step took 0.3 ms with expf, 5% of
+         * the step; 1536 elements 9.0 -> 2.2 us a call, 8192 43.8 -> 5.2 us (Zen 3). */
+        const float *gf = (const float *)g, *uf = (const float *)u;
+        for (; dtype == DT_F32 && i + 8 <= I; i += 8) {
+            const __m256 gx = _mm256_loadu_ps(gf + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gx));
+            const __m256 act = _mm256_div_ps(gx, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+            _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(act, _mm256_loadu_ps(uf + i)));
+        }
 #endif
         for (; i < I; i++) {
             float gv, uv;

@@ -1,15 +1,19 @@
 /*
  * What the kernel sources share (cpu_kernels.c, quant_kernels.c, decode_layers.c, lora_kernels.c;
  * all built into one library by shardserve/model/native_kernels.py, which hashes this header with
- * them so an edit here rebuilds the library): the element types, the bfloat16 conversions, and the
- * prototypes of the functions one file calls from another. Declaring them once here, included
- * by the file that defines them too, lets the compiler check every caller against the definition.
+ * them so an edit here rebuilds the library): the element types, the bfloat16 conversions, the AVX2
+ * vector exp, and the prototypes of the functions one file calls from another. Declaring them once
+ * here, included by the file that defines them too, lets the compiler check every caller against
+ * the definition.
  */
 #ifndef SHARDSERVE_KERNELS_COMMON_H
 #define SHARDSERVE_KERNELS_COMMON_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* Element types (the `dtype` arguments; native_kernels.py's _DTYPES). */
 #define DT_F32 0
@@ -33,6 +37,28 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x as 2^n * 2^f, |f| <= 1/2 (cpu_kernels.c's exp16 on 8 lanes; attention_avx2.c's softmax
+ * and cpu_kernels.c's AVX2 SiLU): 2^f by a degree-6 Taylor
+ * polynomial, 2^n put in the exponent bits. x clamped to [-87, 88]: results finite, normal. */
+ALWAYS_INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 /* cpu_kernels.c */
 int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
