@@ -87,6 +87,43 @@ def test_decode_attention_matches_reference(
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 12)])
+@pytest.mark.parametrize(("threads", "seq_lens"), [(2, [1000]), (4, [130]), (4, [700, 5])])
+def test_decode_attention_splits_contexts_when_requests_are_fewer_than_threads(
+    kernels, dtype, heads, kv_heads, head_dim, threads, seq_lens
+) -> None:
+    """Fewer requests than threads: each context runs as spans, one thread each, merged by
+    their log-sum-exp (decode_attention.c). 1000 slots on 2 threads: 2 spans; 130 on 4: 2
+    (spans of >= 64 slots); 700 and 5 on 4: 2 spans each, the short request's second empty.
+    Against the reference, and against one thread (one span a request), in the AVX2 / AVX-512
+    version (head size 64) and the portable one (12)."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    bs, b = 16, len(seq_lens)
+    width = -(-max(seq_lens) // bs)
+    cache = torch.full((b * width + 2, bs, 2, kv_heads, head_dim), 3e4)  # stale beyond the ends
+    block_table = torch.randperm(b * width + 2, generator=gen)[: b * width].view(b, width)
+    for r, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        slots = block_table[r][pos // bs] * bs + pos % bs
+        cache.view(-1, 2, kv_heads, head_dim)[slots] = torch.randn(n, 2, kv_heads, head_dim,
+                                                                   generator=gen)
+    cache = cache.to(dtype)
+    q = torch.randn(b, heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        split = nk.decode_attention(q, cache, block_table, lens)
+        torch.set_num_threads(1)
+        whole = nk.decode_attention(q, cache, block_table, lens)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(split.float(), reference_decode(q, cache, block_table, lens),
+                               **TOL[dtype])
+    torch.testing.assert_close(split, whole, **TOL[dtype])
+
+
 def hf_rms_norm(x, weight, eps):
     """transformers' LlamaRMSNorm: float32 statistics, cast back, then times the weight."""
     xf = x.float()

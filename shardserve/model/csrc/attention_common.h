@@ -1,7 +1,8 @@
 /*
- * What decode attention's versions share (cpu_kernels.c: the portable and AVX-512 ones and the
- * dispatch; attention_avx2.c: the AVX2 one): float32 loads and stores of either dtype, a
- * request's scratch (start_request / finish_request) and where a slot lies in the paged cache.
+ * What decode attention's versions share (cpu_kernels.c: the portable and AVX-512 ones;
+ * attention_avx2.c: the AVX2 one; decode_attention.c: the dispatch and the split of a context):
+ * float32 loads and stores of either dtype, a request's scratch (start_request /
+ * finish_request), where a slot lies in the paged cache, and the versions' entry points.
  * Hashed with the sources (kernel_build.py), so an edit here rebuilds the library.
  */
 #ifndef SHARDSERVE_ATTENTION_COMMON_H
@@ -59,10 +60,24 @@ static inline const char *slot_at(const void *cache, const int64_t *blocks, int6
            + (size_t)(blocks[t / block_size] * block_size + t % block_size) * slot_bytes;
 }
 
-/* attention_avx2.c: one request's decode attention (as decode_request_avx512 in cpu_kernels.c,
- * 8 slots a step); 0 where this build or D (not a multiple of 8) has no AVX2 version, 1 done. */
-int decode_request_avx2(void *out, const void *q, const void *cache, const int64_t *blocks,
-                        int64_t seq_len, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                        float scale, int dtype, float *scratch);
+/* One request's slots [s0, s1) folded into the scratch start_request prepared (qf, acc, m, l;
+ * then each version's own: the scores of a step, at most H x 16 + D + H floats), left
+ * unnormalised (finish_request, or decode_attention.c's merge of spans, divides by l):
+ * decode_span_avx512 (cpu_kernels.c; D % 16 == 0, bfloat16 dot products from the raw q and
+ * scale where the CPU has them) and decode_span_avx2 (attention_avx2.c; D % 8 == 0) return 0
+ * where the build or D has no such version, 1 done; decode_span_scalar (cpu_kernels.c) takes
+ * any D. */
+int decode_span_avx512(float *scratch, const void *q, const void *cache, const int64_t *blocks,
+                       int64_t s0, int64_t s1, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t block_size, float scale, int dtype);
+int decode_span_avx2(float *scratch, const void *cache, const int64_t *blocks, int64_t s0,
+                     int64_t s1, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                     int dtype);
+void decode_span_scalar(float *scratch, const void *cache, const int64_t *blocks, int64_t s0,
+                        int64_t s1, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                        int dtype);
+/* Ask for a request's first slots (AVX-512 builds; a no-op elsewhere). */
+void decode_prefetch_start(const void *cache, const int64_t *blocks, int64_t seq_len,
+                           int64_t block_size, size_t slot_bytes);
 
 #endif

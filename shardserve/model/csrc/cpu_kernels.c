@@ -219,23 +219,23 @@ ALWAYS_INLINE void prefetch_group(const void *cache, const int64_t *blocks, int6
     for (size_t off = 0; off < (size_t)n * slot_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
-/* One request with D % 16 == 0 on AVX-512. */
-static void decode_request_avx512(void *out, const void *q, const void *cache,
-                                  const int64_t *blocks, int64_t seq_len, int64_t H, int64_t Hkv,
-                                  int64_t D, int64_t block_size, float scale, int dtype,
-                                  float *scratch) {
+/* Slots [s0, s1) of one request on AVX-512 (D % 16 == 0; 0 otherwise, 1 done). */
+int decode_span_avx512(float *scratch, const void *q, const void *cache, const int64_t *blocks,
+                       int64_t s0, int64_t s1, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t block_size, float scale, int dtype) {
+    if (D % 16) return 0;
+    (void)q, (void)scale; /* the bfloat16 dot products' (the float32 scores use qf) */
     const int64_t G = H / Hkv;
     const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
     float *qf = scratch, *acc = qf + H * D, *m = acc + H * D, *l = m + H, *s = l + H;
-    start_request(qf, acc, m, l, q, H, D, scale, dtype);
 #if defined(__AVX512BF16__)
     const int use_dp = dtype == DT_BF16 && D % 32 == 0;
 #endif
     int64_t cnt;
-    for (int64_t start = 0; start < seq_len; start += cnt) {
-        cnt = group_len(start, seq_len, block_size);
+    for (int64_t start = s0; start < s1; start += cnt) {
+        cnt = group_len(start, s1, block_size);
         const char *slot0 = slot_at(cache, blocks, start, block_size, slot_bytes);
-        prefetch_group(cache, blocks, start + cnt, seq_len, block_size, slot_bytes);
+        prefetch_group(cache, blocks, start + cnt, s1, block_size, slot_bytes);
         for (int64_t h = 0; h < H; h++) {
             const char *k0 = slot0 + (size_t)((h / G) * D) * esize;
             __m512 sv;
@@ -255,23 +255,38 @@ static void decode_request_avx512(void *out, const void *q, const void *cache,
                          slot0 + (size_t)((Hkv + kvh) * D) * esize, cnt, D, slot_bytes, dtype,
                          esize, G);
     }
-    finish_request(out, acc, l, H, D, dtype);
+    return 1;
+}
+
+void decode_prefetch_start(const void *cache, const int64_t *blocks, int64_t seq_len,
+                           int64_t block_size, size_t slot_bytes) {
+    prefetch_group(cache, blocks, 0, seq_len, block_size, slot_bytes);
 }
 #else
 #define HAVE_AVX512 0
+int decode_span_avx512(float *scratch, const void *q, const void *cache, const int64_t *blocks,
+                       int64_t s0, int64_t s1, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t block_size, float scale, int dtype) {
+    (void)scratch, (void)q, (void)cache, (void)blocks, (void)s0, (void)s1, (void)H, (void)Hkv;
+    (void)D, (void)block_size, (void)scale, (void)dtype;
+    return 0;
+}
+
+void decode_prefetch_start(const void *cache, const int64_t *blocks, int64_t seq_len,
+                           int64_t block_size, size_t slot_bytes) {
+    (void)cache, (void)blocks, (void)seq_len, (void)block_size, (void)slot_bytes;
+}
 #endif
 
 /* Portable version: any D, any CPU; one slot at a time, rescaling the running sums per slot. */
-static void decode_request_scalar(void *out, const void *q, const void *cache,
-                                  const int64_t *blocks, int64_t seq_len, int64_t H, int64_t Hkv,
-                                  int64_t D, int64_t block_size, float scale, int dtype,
-                                  float *scratch) {
+void decode_span_scalar(float *scratch, const void *cache, const int64_t *blocks, int64_t s0,
+                        int64_t s1, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                        int dtype) {
     const int64_t G = H / Hkv;
     const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
     float *qf = scratch, *acc = qf + H * D, *m = acc + H * D, *l = m + H, *row = l + H;
     float *score = row + D;
-    start_request(qf, acc, m, l, q, H, D, scale, dtype);
-    for (int64_t t = 0; t < seq_len; t++) {
+    for (int64_t t = s0; t < s1; t++) {
         const char *slot = slot_at(cache, blocks, t, block_size, slot_bytes);
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             load_f32(row, slot + (size_t)(kvh * D) * esize, D, dtype);
@@ -288,69 +303,6 @@ static void decode_request_scalar(void *out, const void *q, const void *cache,
             }
         }
     }
-    finish_request(out, acc, l, H, D, dtype);
-}
-
-/*
- * Decode attention over a paged KV cache: one query token per request.
- *
- *   q      [*, H, D] rows; request r's query is row q_rows[r] (or r when q_rows is NULL), rows
- *          q_row_stride elements apart (q may be a view into the fused qkv output)
- *   cache  [num_blocks, block_size, 2, Hkv, D]; one slot (block, offset) is K then V:
- *
- *            slot s:  | K head 0 | K head 1 | .. | K head Hkv-1 | V head 0 | .. | V head Hkv-1 |
- *                       <-- D --->                                 (2 * Hkv * D elements)
- *
- *   block_table [B, bt_stride] int64, seq_lens [B] int64 (tokens of context, this one included,
- *          whose K/V must already be written)
- *   out    [B, H, D] dense
- *
- * Query head h reads KV head h / (H / Hkv). One task per request, one pass over its context in
- * order with an online softmax (as flash-decoding does): 16 slots at a time, the scores of every
- * head, then each head's running max and sum are corrected and the slots' V rows added in. Each
- * slot's 2 * Hkv * D contiguous elements are read once per step, front to back; the only writes
- * are to per-thread scratch and to out. Returns 0, or -1 when scratch cannot be allocated.
- */
-int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
-                     const void *cache, const int64_t *block_table, int64_t bt_stride,
-                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t block_size, float scale, int dtype, int num_threads) {
-    const size_t esize = dtype == DT_F32 ? 4 : 2;
-    /* start_request's part, then the scores of a group (AVX-512) or a row and G scores */
-    const int64_t per_thread = 2 * H * D + 2 * H + H * GROUP + D + H;
-    /* Allocated before the parallel region: every thread must reach the `omp for`. */
-    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * num_threads));
-    if (scratch == NULL) return -1;
-#if HAVE_AVX512
-    const int vectorised = D % 16 == 0;
-#endif
-    /* Round-robin, so a thread knows its next request and can prefetch that one's first slots
-     * (the in-request prefetch only runs ahead within a request). */
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (B > 1)
-    for (int64_t r = 0; r < B; r++) {
-        const int64_t q_row = q_rows ? q_rows[r] : r;
-        void *o = (char *)out + (size_t)(r * H * D) * esize;
-        const void *qr = (const char *)q + (size_t)(q_row * q_row_stride) * esize;
-        float *buf = scratch + per_thread * omp_get_thread_num();
-#if HAVE_AVX512
-        if (vectorised) {
-            const int64_t next = r + num_threads;
-            if (next < B)
-                prefetch_group(cache, block_table + next * bt_stride, 0, seq_lens[next],
-                               block_size, 2 * Hkv * D * esize);
-            decode_request_avx512(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv,
-                                  D, block_size, scale, dtype, buf);
-            continue;
-        }
-#endif
-        if (decode_request_avx2(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv,
-                                D, block_size, scale, dtype, buf))
-            continue;
-        decode_request_scalar(o, qr, cache, block_table + r * bt_stride, seq_lens[r], H, Hkv, D,
-                              block_size, scale, dtype, buf);
-    }
-    free(scratch);
-    return 0;
 }
 
 /*

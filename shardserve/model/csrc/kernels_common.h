@@ -60,11 +60,13 @@ ALWAYS_INLINE __m256 exp8(__m256 x) {
 }
 #endif
 
-/* cpu_kernels.c */
+/* decode_attention.c */
 int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
                      const void *cache, const int64_t *block_table, int64_t bt_stride,
                      const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                      int64_t block_size, float scale, int dtype, int num_threads);
+
+/* cpu_kernels.c */
 int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const void *weight,
              int64_t T, int64_t N, float eps, int dtype, int num_threads);
 int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
@@ -73,6 +75,10 @@ int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, in
 int cache_write(void *cache, const void *src, int64_t src_row_stride, const int64_t *slots,
                 int64_t T, int64_t slot_elems, int dtype);
 int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
+
+/* cp_attention.c: the exact merge of partial attention outputs by their log-sum-exp */
+int cp_merge(float *out, const float *outs, const float *lses, int64_t S, int64_t N, int64_t D,
+             int num_threads);
 
 /* quant_kernels.c */
 int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, int64_t x_stride,
