@@ -222,23 +222,24 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-/* 8 vectors of 8 int32 -> [sum v[0], ..., sum v[7]]. */
-static inline __m256i sum8x8(const __m256i *v) {
-    const __m256i q0 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i q1 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+/* sum8x8 from its first level: h[i] = hadd(v[2i], v[2i + 1]). */
+static inline __m256i sum4x8_pairs(const __m256i *h) {
+    const __m256i q0 = _mm256_hadd_epi32(h[0], h[1]), q1 = _mm256_hadd_epi32(h[2], h[3]);
     /* q0 = [v0..v3 low-lane sums | v0..v3 high-lane sums], q1 the same for v4..v7 */
     return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x21),
                             _mm256_blend_epi32(q0, q1, 0xF0));
 }
 
+/* 8 vectors of 8 int32 -> [sum v[0], ..., sum v[7]]. */
+static inline __m256i sum8x8(const __m256i *v) {
+    const __m256i h[4] = {_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]),
+                          _mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7])};
+    return sum4x8_pairs(h);
+}
+
 #if defined(__F16C__)
-/* d (and Q4_1's m; Q4_0's -8 d; Q8_0's 0) of the 8 blocks from `first`, `bytes` apart, as floats. */
-ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m256 *d, __m256 *m) {
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(bytes));
-    const __m256i dm = _mm256_i32gather_epi32((const int *)first, idx, 1);
+/* d (and Q4_1's m; Q4_0's -8 d; Q8_0's 0) of 8 blocks, from their first 4 bytes each (dm). */
+ALWAYS_INLINE void scales_of(int TYPE, __m256i dm, __m256 *d, __m256 *m) {
     /* per 128-bit lane: the four d halves, then the four m halves; then d's, m's together */
     const __m256i split = _mm256_shuffle_epi8(
         dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
@@ -247,6 +248,26 @@ ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m25
     *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
     *m = TYPE == T_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1))
                         : _mm256_mul_ps(*d, _mm256_set1_ps(TYPE == T_Q4_0 ? -8.f : 0.f));
+}
+
+/* The scales of the 8 blocks from `first`, `bytes` apart (one row's run of blocks): a gather. */
+ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m256 *d, __m256 *m) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(bytes));
+    scales_of(TYPE, _mm256_i32gather_epi32((const int *)first, idx, 1), d, m);
+}
+
+/* The same for 8 blocks a row apart (a strip's column of blocks): eight 4-byte loads put
+ * together. A gather there ran as Zen 3's microcode with the strips waiting on it (perf: a
+ * third of strips_q4_1's samples on it and the conversions behind it); these loads ran the
+ * strips 1.07-1.09x (Q4_1) and 1.10x (Q8_0, the LM head), where group_scales' contiguous
+ * blocks kept the gather (0.96x with these loads). */
+ALWAYS_INLINE void strip_scales(int TYPE, const uint8_t *first, int64_t stride, __m256 *d,
+                                __m256 *m) {
+    uint32_t w[8];
+    for (int i = 0; i < 8; i++) memcpy(&w[i], first + (size_t)(i * stride), 4);
+    scales_of(TYPE, _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4],
+                                      (int)w[5], (int)w[6], (int)w[7]), d, m);
 }
 
 #endif

@@ -206,12 +206,13 @@ ALWAYS_INLINE void kquant_block1(int TYPE, const uint8_t *blk, int bytes, const 
     }
     const uint8_t *qs = blk + (TYPE == T_Q5_K ? 48 : 16);
     const w32_t qh = TYPE == T_Q5_K ? w_load(blk + 16) : w_load(qs); /* unused: Q4_K */
+    __m256i h[4]; /* sum8x8's first level as each pair is made: 4 vectors live, not 8 */
     for (int j = 0; j < 8; j += 2) { /* sub-blocks j, j + 1: the low, high nibbles of 32 bytes */
         const w32_t v = w_load(qs + 16 * j);
-        p[j] = halves_dot(k45_values(TYPE, v, qh, j), x + 32 * j);
-        p[j + 1] = halves_dot(k45_values(TYPE, v, qh, j + 1), x + 32 * j + 32);
+        h[j / 2] = _mm256_hadd_epi32(halves_dot(k45_values(TYPE, v, qh, j), x + 32 * j),
+                                     halves_dot(k45_values(TYPE, v, qh, j + 1), x + 32 * j + 32));
     }
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)), _mm256_load_ps(sd), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4x8_pairs(h)), _mm256_load_ps(sd), *acc);
 }
 
 /* 32 byte values (0..63) times x in xu's order (vpunpck{l,h}bw with zero: values 0-7 and 16-23

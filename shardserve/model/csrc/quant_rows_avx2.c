@@ -107,9 +107,9 @@ ALWAYS_INLINE void avx2_row(int TYPE, int NB, const uint8_t *row, const xquant_t
 /*
  * One row of x (the batch-1 decode step) against 8 weight rows at once: per block, the 8 rows'
  * integer products reduce to one vector whose lanes are the 8 rows, scaled by their 8 scales
- * (one gather across the rows) and x's one: the lanes are the 8 outputs, with no per-row
- * reduction, no row tail (a short K, 576 at the default model, is 18 whole blocks), and x's
- * 32 values loaded once for the 8 rows.
+ * (strip_scales: eight loads across the rows) and x's one: the lanes are the 8 outputs, with no
+ * per-row reduction, no row tail (a short K, 576 at the default model, is 18 whole blocks), and
+ * x's 32 values loaded once for the 8 rows.
  */
 ALWAYS_INLINE void strip8(int TYPE, const uint8_t *w, int64_t row_bytes, const xquant_t *xq,
                           int64_t b0, int64_t K, float *res) {
@@ -125,16 +125,22 @@ ALWAYS_INLINE void strip8(int TYPE, const uint8_t *w, int64_t row_bytes, const x
             _mm_prefetch(next + 64 * l, _MM_HINT_T0);
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xrow + 32 * t));
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xrow + 32 * t + 16));
-        __m256i p[8];
-        for (int r = 0; r < 8; r++) {
-            __m256i lo, hi;
-            block_values(TYPE, w + r * row_bytes + t * bytes, &lo, &hi);
-            p[r] = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+        /* Each pair of rows' products is folded at once (sum8x8's first level): 4 vectors
+         * live instead of 8, so nothing spills (the 8 spilled to the stack at -O3). */
+        __m256i h[4];
+        for (int r = 0; r < 8; r += 2) {
+            __m256i p[2];
+            for (int i = 0; i < 2; i++) {
+                __m256i lo, hi;
+                block_values(TYPE, w + (r + i) * row_bytes + t * bytes, &lo, &hi);
+                p[i] = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+            }
+            h[r / 2] = _mm256_hadd_epi32(p[0], p[1]);
         }
         __m256 d, m;
-        group_scales(TYPE, w + t * bytes, (int)row_bytes, &d, &m);
+        strip_scales(TYPE, w + t * bytes, row_bytes, &d, &m);
         const int64_t o = b0 * nsub + t;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(p)),
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum4x8_pairs(h)),
                               _mm256_mul_ps(d, _mm256_set1_ps(xq->d[o])), acc);
         if (TYPE != T_Q8_0) macc = _mm256_fmadd_ps(m, _mm256_set1_ps(xq->xs32[o]), macc);
     }
