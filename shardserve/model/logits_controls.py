@@ -8,6 +8,9 @@ bad_words arrive as token-id sequences (the front end tokenized each word with a
 leading space). A sequence's last token is banned at the position where it would complete
 the word: always for a one-token word, and for a longer one only when the tokens generated so
 far end in the word's other tokens (generated tokens only, not the prompt, as vLLM does).
+
+Structured outputs' token bitmask (apply_token_bitmask_) is such a mask too, applied by the
+step's sampler before all of these.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from shardserve.model import native_kernels
 from shardserve.sampling_params import SamplingParams
 
 
@@ -128,3 +133,24 @@ def _bias_entries(states: Sequence[_SamplingState]
             ids.extend(bias)
             values.extend(bias.values())
     return rows, ids, values
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Structured outputs, in place: every token whose bit is clear in `bitmask` row r (int32
+    words, xgrammar's layout; see messages.GrammarOutput) gets -inf in logits row rows[r]. The
+    C kernel where it applies; else the bitmask is unpacked and torch fills."""
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64)
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    if native_kernels.supports(torch.float32, logits.device) and logits.dtype == torch.float32 \
+            and logits.stride(-1) == 1:
+        native_kernels.apply_token_bitmask_(logits, index, packed)
+        return
+    vocab = logits.shape[-1]
+    disallowed = np.unpackbits(np.ascontiguousarray(~bitmask, dtype="<i4").view(np.uint8),
+                               axis=1, bitorder="little")[:, :vocab].view(bool)
+    index = index.to(logits.device)
+    block = logits[index].masked_fill_(torch.from_numpy(disallowed).to(logits.device),
+                                       float("-inf"))
+    logits[index] = block

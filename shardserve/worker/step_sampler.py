@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from shardserve.messages import GrammarOutput, ModelRunnerOutput
-from shardserve.model.sampler import Sampler, SamplingMetadata, apply_token_bitmask_
+from shardserve.model.logits_controls import apply_token_bitmask_
+from shardserve.model.sampler import Sampler, SamplingMetadata
 from shardserve.worker.request_state import PendingSample
 from shardserve.worker.spec_verify import Drafter, keep_verified, position_states
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.model import native_kernels as nk
-from shardserve.model.sampler import apply_token_bitmask_
+from shardserve.model.logits_controls import apply_token_bitmask_
 
 pytestmark = [
     pytest.mark.skipif(not nk.compiler_available(),

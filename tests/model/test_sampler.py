@@ -13,6 +13,7 @@ from shardserve.model.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    argmax_rows,
     seed_for_position,
 )
 from shardserve.sampling_params import SamplingParams
@@ -50,6 +51,20 @@ def test_greedy_is_argmax() -> None:
     logits = torch.randn(6, 40, generator=gen(0))
     got = sample(logits, [SamplingParams(temperature=0)] * 6)
     assert got == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
+    """float32 on CPU goes through numpy: the same first maximal index as torch's, with ties,
+    a NaN (which torch takes as the maximum), -inf rows and strided rows."""
+    logits = torch.randn(5, 300, generator=gen(3))
+    logits[0, [7, 9, 200]] = 50.0
+    logits[1, 11] = float("nan")
+    logits[2] = float("-inf")
+    logits = logits.to(dtype)
+    for x in (logits, logits[:, ::3], logits[::2]):
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
 
 
 def test_greedy_ties_break_to_lowest_id_every_time() -> None:
