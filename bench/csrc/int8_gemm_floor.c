@@ -15,6 +15,8 @@
  *   i8-avx2-32  the same with the float step per 32 columns
  *   i16-avx2    int16 x, int16 panel, vpmaddwd + vpaddd, no scales   (the int16 rows' precision)
  *   i16-avx2-32 the same with the float step per 32 columns
+ *   i16-4x16, i16-6x16 (-32)  the same products, 4 or 6 rows of x a pass, x broadcast from memory
+ *   i16-6x8, i16-12x8 (-32)   6 or 12 rows against one panel vector kept in a register
  *   i16-vnni    int16 x and panel, vpdpwssd (AVX-512 VNNI), no scales (the tiles' precision)
  *   i16-vnni-32 the same with the float step per 32 columns
  *
@@ -146,6 +148,88 @@ static void i16_avx2(bufs *u, int scaled) {
                                      _mm256_add_ps(accf[r][v], _mm256_cvtepi32_ps(acc[r][v])));
         }
 }
+
+/* The same products as i16_avx2, R rows of x a pass (R = 4 or 6: 2R accumulators, the two
+ * panel vectors and a broadcast in the 16 registers), x's pair broadcast straight from memory
+ * (a load, no vector-pipe work): per pair of columns 2R vpmaddwd and 2R vpaddd against 2 + R
+ * loads. Zen 3 runs vpmaddwd and vpaddd 2 and 3.3 a cycle on register operands: with one add
+ * per multiply the 4 vector pipes cap this at 32 products a cycle. */
+static inline __attribute__((always_inline)) void i16_rows(bufs *u, int scaled, const int R) {
+    for (int b = 0; b < B; b += R)
+        for (int h = 0; h < NT; h += 16) {
+            __m256 accf[6][2];
+            __m256i acc[6][2];
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < 2; v++) accf[r][v] = _mm256_setzero_ps(), acc[r][v] = _mm256_setzero_si256();
+            for (int g = 0; g < K / 32; g++) {
+                for (int q = 0; q < 16; q++) {
+                    const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
+                    const __m256i w0 = _mm256_load_si256((const __m256i *)p);
+                    const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 16));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xb = _mm256_castps_si256(_mm256_broadcast_ss(
+                            (const float *)(u->xh + (b + r) * K + 32 * g + 2 * q)));
+                        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
+                        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
+                    }
+                }
+                if (scaled)
+                    for (int v = 0; v < 2; v++) {
+                        const int c = g * NT + h + 8 * v;
+                        const __m256 dw = _mm256_loadu_ps(u->dw + c), mw = _mm256_loadu_ps(u->mw + c);
+                        for (int r = 0; r < R; r++) {
+                            const int o = (b + r) * (K / 32) + g;
+                            accf[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]),
+                                                         _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r][v]);
+                            accf[r][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r][v]);
+                            acc[r][v] = _mm256_setzero_si256();
+                        }
+                    }
+            }
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < 2; v++)
+                    _mm256_storeu_ps(u->out + (b + r) * NT + h + 8 * v,
+                                     _mm256_add_ps(accf[r][v], _mm256_cvtepi32_ps(acc[r][v])));
+        }
+}
+/* R rows x one panel vector (8 outputs): the panel vector stays in a register, R broadcasts
+ * of x a pair, R vpmaddwd and R vpaddd on registers (R = 12: 12 accumulators). */
+static inline __attribute__((always_inline)) void i16_rows1(bufs *u, int scaled, const int R) {
+    for (int b = 0; b < B; b += R)
+        for (int h = 0; h < NT; h += 8) {
+            __m256 accf[12];
+            __m256i acc[12];
+            for (int r = 0; r < R; r++) accf[r] = _mm256_setzero_ps(), acc[r] = _mm256_setzero_si256();
+            for (int g = 0; g < K / 32; g++) {
+                for (int q = 0; q < 16; q++) {
+                    const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
+                    const __m256i w = _mm256_load_si256((const __m256i *)p);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xb = _mm256_castps_si256(_mm256_broadcast_ss(
+                            (const float *)(u->xh + (b + r) * K + 32 * g + 2 * q)));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(w, xb));
+                    }
+                }
+                if (scaled) {
+                    const int c = g * NT + h;
+                    const __m256 dw = _mm256_loadu_ps(u->dw + c), mw = _mm256_loadu_ps(u->mw + c);
+                    for (int r = 0; r < R; r++) {
+                        const int o = (b + r) * (K / 32) + g;
+                        accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                                  _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[o])), accf[r]);
+                        accf[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[o]), accf[r]);
+                        acc[r] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                _mm256_storeu_ps(u->out + (b + r) * NT + h, _mm256_add_ps(accf[r], _mm256_cvtepi32_ps(acc[r])));
+        }
+}
+static void i16_rows12x1(bufs *u, int scaled) { i16_rows1(u, scaled, 12); }
+static void i16_rows6x1(bufs *u, int scaled) { i16_rows1(u, scaled, 6); }
+static void i16_rows4(bufs *u, int scaled) { i16_rows(u, scaled, 4); }
+static void i16_rows6(bufs *u, int scaled) { i16_rows(u, scaled, 6); }
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -265,6 +349,14 @@ int main(void) {
     measure("i8-avx2-32", i8_avx2, 1);
     measure("i16-avx2", i16_avx2, 0);
     measure("i16-avx2-32", i16_avx2, 1);
+    measure("i16-4x16", i16_rows4, 0);
+    measure("i16-4x16-32", i16_rows4, 1);
+    measure("i16-6x16", i16_rows6, 0);
+    measure("i16-6x16-32", i16_rows6, 1);
+    measure("i16-6x8", i16_rows6x1, 0);
+    measure("i16-6x8-32", i16_rows6x1, 1);
+    measure("i16-12x8", i16_rows12x1, 0);
+    measure("i16-12x8-32", i16_rows12x1, 1);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
     measure("bf16-dot", bf16_dot_, 0);
