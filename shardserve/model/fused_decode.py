@@ -120,6 +120,9 @@ class FusedDecode:
         qkv_lora = attn.qkv_proj.lora
         self._lora_batch = None if qkv_lora is None else qkv_lora.batch
         self.takes_lora = takes_lora  # False: the adapters' slots do not fit the C side
+        self._scratch_rows, self._scratch_bufs = 0, []  # see _scratch
+        self._rope_of: torch.Tensor | None = None  # see _rope_floats
+        self._rope_view = torch.empty(0)
 
     @classmethod
     def build(cls, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> FusedDecode | None:
@@ -173,14 +176,11 @@ class FusedDecode:
         # place on the layer-by-layer path too, but x may be a buffer the caller reuses).
         x = x.contiguous().clone()
         out_residual = torch.empty_like(x) if residual is None else residual.contiguous()
-        new = lambda n: torch.empty(b, n, dtype=self.dtype)  # noqa: E731
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        scratch = [new(self.hidden), new(q_size + 2 * kv_size), new(q_size),
-                   new(2 * self.inter), new(self.inter)]
+        scratch = self._scratch(b)
         blocks = g.blocks.contiguous()
         index_tensors = [meta.positions.contiguous(), meta.slot_mapping.contiguous(), blocks,
                          g.seq_lens.contiguous()]
-        rope_table = torch.view_as_real(rope.table).contiguous()
+        rope_table = self._rope_floats(rope.table)
         step = _Step(
             b, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
             kv_caches[0].shape[1], blocks.numel() // b,
@@ -193,6 +193,23 @@ class FusedDecode:
         if rc:
             raise MemoryError(f"decode_layers: kernel error {rc} (out of scratch memory)")
         return x, out_residual
+
+    def _scratch(self, b: int) -> list[torch.Tensor]:
+        """The C side's scratch for b rows (h, qkv, attn, gate_up, act), kept from the last
+        step of that many rows: only decode_layers writes them, and only during its call."""
+        if self._scratch_rows != b:
+            q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            self._scratch_bufs = [torch.empty(b, n, dtype=self.dtype) for n in (
+                self.hidden, q_size + 2 * kv_size, q_size, 2 * self.inter, self.inter)]
+            self._scratch_rows = b
+        return self._scratch_bufs
+
+    def _rope_floats(self, table: torch.Tensor) -> torch.Tensor:
+        """The RoPE table as float32 (cos, sin) pairs, viewed once per table (it is rebuilt,
+        not changed in place, when it grows)."""
+        if self._rope_of is not table:
+            self._rope_of, self._rope_view = table, torch.view_as_real(table).contiguous()
+        return self._rope_view
 
     def _lora_slots(self, rows: int) -> int | None:
         """The step's int32 adapter slot per row, for the C side; None without adapters."""

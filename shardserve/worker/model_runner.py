@@ -270,6 +270,8 @@ class ModelRunner:
         """The logits of the sampling requests `rows`: each one's last position, or with
         drafts each verifying request's last 1 + d positions (rows of the flat batch: a
         verify step's attention rows are not one a request, see _prepare_inputs)."""
+        if row_drafts is None and len(rows) == meta.num_tokens == hidden.shape[0]:
+            return self._require_model().compute_logits(hidden)  # a token per row, each samples
         if row_drafts is None:
             idx = meta.logits_indices[torch.tensor(rows, dtype=torch.long)]
         else:
