@@ -260,8 +260,8 @@ ALWAYS_INLINE void group_scales(int TYPE, const uint8_t *first, int bytes, __m25
 /* The same for 8 blocks a row apart (a strip's column of blocks): eight 4-byte loads put
  * together. A gather there ran as Zen 3's microcode with the strips waiting on it (perf: a
  * third of strips_q4_1's samples on it and the conversions behind it); these loads ran the
- * strips 1.07-1.09x (Q4_1) and 1.10x (Q8_0, the LM head), where group_scales' contiguous
- * blocks kept the gather (0.96x with these loads). */
+ * Q4_1 strips 1.07-1.20x and the Q8_0 ones (the LM head) 0.99-1.10x across runs, where
+ * group_scales' contiguous blocks kept the gather (0.96x with these loads). */
 ALWAYS_INLINE void strip_scales(int TYPE, const uint8_t *first, int64_t stride, __m256 *d,
                                 __m256 *m) {
     uint32_t w[8];
