@@ -83,14 +83,21 @@ def library() -> ctypes.CDLL | None:
         logger.warning(
             "SHARDSERVE_INT8_ACTIVATIONS=1: the row kernels take x as int8 per 32 values (faster, "
             "~0.5%% error; greedy outputs may differ from the float model's)%s",
-            "; this level's 16-row tiles (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with rows in multiples of "
-            "16) keep int16" if lib.quant_can_tile() else "")
+            _tiles_keep_int16(lib))
     if not envs.amx():
         lib.gemm_amx_set(0)
     elif "AMX-BF16" in kernel_levels.isa_features(lib) and not lib.gemm_amx_ready():
         logger.warning("the kernels have AMX-BF16 but this kernel did not grant the tile state "
                        "(arch_prctl ARCH_REQ_XCOMP_PERM): batched bfloat16 products take AVX-512")
     return lib
+
+
+def _tiles_keep_int16(lib: ctypes.CDLL) -> str:
+    """The int8 warning's note on this level's 16-row tiles, which keep int16 x."""
+    tiled = [name for name, t in (("Q4_0", 2), ("Q4_1", 3), ("Q8_0", 8), ("Q4_K", 12),
+                                  ("Q6_K", 14)) if lib.quant_tile_takes(t)]
+    return (f"; this level's 16-row tiles ({', '.join(tiled)} with rows in multiples of 16) "
+            "keep int16") if tiled else ""
 
 
 def build_level(level: str) -> ctypes.CDLL:
@@ -144,6 +151,7 @@ def _declare(lib: ctypes.CDLL, strict: bool = True) -> None:
         "quant_set_int8_activations": [i32],
         "quant_int8_activations": [],
         "quant_can_tile": [],
+        "quant_tile_takes": [i32],
         "quant_gemm_int16": [i32],
         "gemm_amx_ready": [],
         "gemm_amx_set": [i32],

@@ -168,13 +168,13 @@ def available() -> bool:
 
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     """T4 for Q4_0 / Q4_1, T8 for Q8_0, T4K for Q4_K and T6K for Q6_K where `tiled` (the
-    caller's pieces) and w's rows come in multiples of 16 and this build computes tiles
-    (AVX-512); else R4 (cols a multiple of 64) and R8 where it computes those (AVX-512; the
-    K-quants keep their layout); None to keep w's layout."""
+    caller's pieces) and w's rows come in multiples of 16 and this build computes that tile
+    (AVX-512 every one, AVX2 T4); else R4 (cols a multiple of 64) and R8 where it computes
+    those (AVX-512; the K-quants keep their layout); None to keep w's layout."""
     if w.ggml_type not in _TILE_OF:
         return None
     lib = native_kernels.lib()
-    if tiled and w.shape[0] % 16 == 0 and lib.quant_can_tile():
+    if tiled and w.shape[0] % 16 == 0 and lib.quant_tile_takes(w.ggml_type):
         return _TILE_OF[w.ggml_type]
     if w.ggml_type in (Q4_K, Q6_K) or (w.ggml_type != Q8_0 and w.cols % 64) or \
             not lib.quant_can_repack():

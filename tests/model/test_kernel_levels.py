@@ -205,16 +205,19 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
 
 @pytest.mark.parametrize("level", nk.levels_buildable_here())
 def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library, level):
-    """So the comparisons above cover every repacked layout wherever a level has it (AVX-512)."""
+    """So the comparisons above cover every repacked layout wherever a level has it (AVX-512
+    every one; AVX2 levels Q4_0 / Q4_1's T4)."""
     lib = level_library(level)
     features = set(kernel_levels.isa_features(lib))
     assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
     assert bool(lib.quant_can_tile()) == bool(lib.quant_can_repack())
+    avx2 = not lib.quant_can_tile() and {"AVX2", "FMA", "F16C"} <= features
     types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
     tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
              "Q6_K": q.T6K}
     rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
-    want = (tiles if lib.quant_can_tile() else {}) | (rows if lib.quant_can_repack() else {})
+    want = (tiles if lib.quant_can_tile() else {"Q4_0": q.T4, "Q4_1": q.T4} if avx2 else {}) \
+        | (rows if lib.quant_can_repack() else {})
     repacked = {name: t for name, t in types.items() if t in REPACKED}
     assert repacked == want
 
@@ -224,10 +227,14 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
     """Repacked bytes hold the same values as their blocks: the portable build (which
     decodes them in plain C) computes them bit for bit as the original blocks."""
     lib = level_library(level)
-    if not lib.quant_can_tile():
+    if lib.quant_can_tile():
+        pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
+        names: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces)
+    elif lib.quant_tile_takes(q.Q4_1):  # AVX2 levels: T4 only
+        names = ("Q4_0", "Q4_1")
+    else:
         pytest.skip(f"{level} does not repack")
-    pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
-    for name in ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces):
+    for name in names:
         with nk.using(level_library(level)):
             packed = weight_as_loaded(name)
         with nk.using(level_library("portable")):

@@ -407,8 +407,16 @@ void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, 
                          int64_t K, const xquant_t *xq);
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
                    int64_t K, int64_t n0, int64_t nt, void *scratch, float *otile);
-/* quant_tiles.c: whether this build computes tiles on its SIMD path (AVX-512 BW/VL, F16C). */
+/* quant_tiles.c: whether this build computes every tile type on its SIMD path (AVX-512 BW/VL,
+ * F16C). */
 int quant_can_tile(void);
+/* quant_tiles.c: whether this build tiles weights of a ggml type at load (the AVX-512 builds
+ * every tiled type; AVX2 builds Q4_0 / Q4_1, quant_tiles_avx2.c's); and those AVX2 kernels. */
+int quant_tile_takes(int ggml_type);
+int quant_tiles_avx2_takes(int ggml_type);
+int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                     int out_dtype, int threads);
 /* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
  * SIMD path for them. */
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

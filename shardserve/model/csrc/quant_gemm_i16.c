@@ -16,6 +16,8 @@
  *     Q4_K  v = q sc_j          (<= 945)       dg = d    mg = -dmin m_j
  *     Q5_K  v = q sc_j          (<= 1953)      dg = d    mg = -dmin m_j
  *     Q6_K  v = (q - 32) sc     (|v| <= 4096, a scale per 16)   dg = d   mg = 0
+ *     T4    v = q                              dg = d    mg = m    (Q4_0 / Q4_1 tiles: m = -8 d
+ *                                                                      for Q4_0)
  * and x's group as dx * qx with |qx| <= 16383, so that 32 products (|v qx| <= 4096 * 16383)
  * stay within an int32:
  *     out[b, n] = sum_g  dg dx[b, g] (sum_k qx v)  +  mg xs32[b, g]
@@ -43,7 +45,7 @@
 
 int gemm_i16_takes(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K;
+           type == T_Q5_K || type == T_Q6_K || type == T_T4;
 }
 
 size_t gemm_i16_scratch_bytes(void) {
@@ -143,6 +145,30 @@ static void decode_k(int type, const uint8_t *row, int64_t k0, int64_t kc, int16
     }
 }
 
+/* T4 (quant_tiles_avx2.c): the tile of 16 rows at `tile`, columns [k0, k0 + kc), straight into
+ * the panel: chunk c of a sub-block widened is already 16 rows' pairs of columns (2 c, 2 c + 1)
+ * (low nibbles) and (16 + 2 c, 17 + 2 c) (high), so no transposes. v = q, dg = d, mg = m. */
+static void decode_t4_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel,
+                            float *dg, float *mg) {
+    for (int64_t g = 0; g < kc / 32; g++) {
+        const uint8_t *p = tile + T4_SUB_BYTES * (k0 / 32 + g);
+        for (int h = 0; h < 2; h++) {
+            _mm256_store_ps(dg + NT * g + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
+            _mm256_store_ps(mg + NT * g + 8 * h,
+                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))));
+        }
+        for (int c = 0; c < 8; c++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)(p + T4_Q + 32 * c + 16 * h)));
+                _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
+                                   _mm256_and_si256(v, _mm256_set1_epi16(0xF)));
+                _mm256_store_si256((__m256i *)(panel + (16 * g + 8 + c) * NT + 8 * h),
+                                   _mm256_srli_epi16(v, 4));
+            }
+    }
+}
+
 /* facc[r][h] (otile's rows) += x rows [mr] times the panel's kc columns; `mins`: add mg xs32. */
 ALWAYS_INLINE void micro(int mr, int mins, const int16_t *x, int64_t K, const float *dx,
                          const float *sx, const int32_t *panel, const float *dg, const float *mg,
@@ -214,14 +240,18 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     float *dg = (float *)(panel + NT * KC / 2), *mg = dg + NT * KC / 32;
     int16_t *rows = (int16_t *)(mg + NT * KC / 32);
     const int kquant = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-    const int mins = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K;
+    const int mins = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_T4;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int64_t c = 0; c < nt; c++)
-            (kquant ? decode_k : decode_32)(type, w + (n0 + c) * row_bytes, k0, kc, rows + c * RS,
-                                            dg + c, mg + c);
-        panel_pairs(rows, nt, kc, dg, mg, panel);
+        if (type == T_T4) { /* n0 is a tile's first row (NT = 16), nt = 16 */
+            decode_t4_panel(w + n0 * row_bytes, k0, kc, panel, dg, mg);
+        } else {
+            for (int64_t c = 0; c < nt; c++)
+                (kquant ? decode_k : decode_32)(type, w + (n0 + c) * row_bytes, k0, kc,
+                                                rows + c * RS, dg + c, mg + c);
+            panel_pairs(rows, nt, kc, dg, mg, panel);
+        }
         for (int64_t b = 0; b < B; b += BR)
             micro_any((int)(B - b < BR ? B - b : BR), mins,
                       xq->q + 2 * x_pair_at(B, K, b, k0), K,

@@ -352,6 +352,11 @@ TILE_FNS(t6k, T_T6K)
 
 int quant_can_tile(void) { return 1; }
 
+int quant_tile_takes(int ggml_type) {
+    return ggml_type == T_Q4_0 || ggml_type == T_Q4_1 || ggml_type == T_Q8_0 ||
+           ggml_type == T_Q4_K || ggml_type == T_Q6_K;
+}
+
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
@@ -370,13 +375,15 @@ int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant
     return 1;
 }
 #else
+/* Builds without AVX-512: AVX2 ones tile Q4_0 / Q4_1 (quant_tiles_avx2.c), others nothing. */
 int quant_can_tile(void) { return 0; }
+
+int quant_tile_takes(int ggml_type) { return quant_tiles_avx2_takes(ggml_type); }
 
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
-    (void)w, (void)row_bytes, (void)type, (void)xq, (void)B, (void)N, (void)K, (void)out,
-        (void)out_stride, (void)out_dtype, (void)threads;
-    return 0;
+    return quant_tiles_avx2(w, row_bytes, type, xq, B, N, K, out, out_stride, out_dtype,
+                            threads);
 }
 #endif

@@ -1,0 +1,148 @@
+/*
+ * T4 tiles (Q4_0 / Q4_1 in tiles of 16 rows, quant_tiles.c draws the layout) on AVX2 builds
+ * without AVX-512: their product with a few rows of x quantized to int16 per 32.
+ *
+ * Why: at one row of x the file layout needs a reduction per weight row: quant_rows_avx2.c's
+ * strips fold 8 rows' products with six vphaddd per 32 columns, and with the scales gathered
+ * row by row they ran ~12 vector instructions per 32 weights, compute-bound at ~39 GMAC/s on
+ * Zen 3 (2 threads), from memory or not. In a tile the 16 rows are lanes already:
+ *
+ *   chunk c of sub-block g (32 bytes): byte 2 r + e = row r's qs[2 c + e]
+ *     widened to 16 bits, rows 0-7 in one ymm, 8-15 in the other; in each 32-bit lane the
+ *     row's pair of columns (2 c, 2 c + 1) (low nibbles) or (16 + 2 c, 17 + 2 c) (high)
+ *   dot[r] += vpmaddwd(pair, x's pair broadcast) + ...     (int32 lanes = rows, no reduction)
+ *   per sub-block and row of x:  res += float(dot) * (d[16] * x.d)  +  m[16] * x.xs32
+ *
+ * ~7 vector instructions per 32 weights at one row of x. The same integers as the rows
+ * kernels (w <= 15, |x| <= 32767, 32 products per lane fit an int32), other float order.
+ * Measured: see quant_tiles_avx2's comment.
+ */
+#include "quant_blocks.h"
+
+#if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+
+#define PASS_MAX 2 /* rows of x a pass: 2 int32 and 2 float accumulators each, no spill */
+
+static inline __m256 halves8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m256i pair_of(const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, 4);
+    return _mm256_set1_epi32(pair);
+}
+
+/* Sub-block g (at p) of a tile times NB rows of x: dot[i][h], rows 8 h .. 8 h + 7. At one row
+ * the even and odd chunks add into accumulators of their own (two chains of vpaddd, not one). */
+ALWAYS_INLINE void t4_dots(int NB, const uint8_t *p, const int16_t *const *x, __m256i (*dot)[2]) {
+    __m256i odd[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int i = 0; i < NB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        if (c % 2 == 0) _mm_prefetch((const char *)p + T4_Q + 32 * c + 2048, _MM_HINT_T0);
+        const __m256i m = _mm256_set1_epi16(0xF);
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i v =
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + T4_Q + 32 * c + 16 * h)));
+            lo[h] = _mm256_and_si256(v, m);
+            hi[h] = _mm256_srli_epi16(v, 4);
+        }
+        for (int i = 0; i < NB; i++) {
+            const __m256i xl = pair_of(x[i] + 2 * c), xh = pair_of(x[i] + 16 + 2 * c);
+            for (int h = 0; h < 2; h++) {
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo[h], xl),
+                                                   _mm256_madd_epi16(hi[h], xh));
+                if (NB == 1 && c % 2)
+                    odd[h] = _mm256_add_epi32(odd[h], s);
+                else
+                    dot[i][h] = _mm256_add_epi32(dot[i][h], s);
+            }
+        }
+    }
+    if (NB == 1)
+        for (int h = 0; h < 2; h++) dot[0][h] = _mm256_add_epi32(dot[0][h], odd[h]);
+}
+
+/* A tile's 16 outputs for NB rows of x from b0 into res[i][h]. */
+ALWAYS_INLINE void t4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
+                           int64_t K, __m256 (*res)[2]) {
+    const int64_t nsub = K / 32;
+    for (int i = 0; i < NB; i++) res[i][0] = res[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nsub; g++) {
+        const uint8_t *p = tile + T4_SUB_BYTES * g;
+        const int16_t *x[PASS_MAX];
+        for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 32 * g;
+        __m256i dot[PASS_MAX][2];
+        t4_dots(NB, p, x, dot);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = halves8(p + 16 * h), m = halves8(p + 32 + 16 * h);
+            for (int i = 0; i < NB; i++) {
+                const int64_t at = (b0 + i) * nsub + g;
+                res[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(xq->d[at])), res[i][h]);
+                res[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq->xs32[at]), res[i][h]);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void t4_pass(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
+                           int64_t n0, int64_t K, void *out, int64_t out_stride, int out_dtype) {
+    __m256 res[PASS_MAX][2];
+    t4_rows(NB, tile, xq, b0, K, res);
+    for (int i = 0; i < NB; i++) {
+        float v[16];
+        _mm256_storeu_ps(v, res[i][0]);
+        _mm256_storeu_ps(v + 8, res[i][1]);
+        for (int r = 0; r < 16; r++) store_out(out, (b0 + i) * out_stride + n0 + r, v[r], out_dtype);
+    }
+}
+
+static void t4_pass1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                     void *out, int64_t out_stride, int out_dtype) {
+    t4_pass(1, tile, xq, b0, n0, K, out, out_stride, out_dtype);
+}
+
+static void t4_pass2(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                     void *out, int64_t out_stride, int out_dtype) {
+    t4_pass(2, tile, xq, b0, n0, K, out, out_stride, out_dtype);
+}
+
+int quant_tiles_avx2_takes(int ggml_type) { return ggml_type == T_Q4_0 || ggml_type == T_Q4_1; }
+
+/*
+ * out = x @ W^T for W in T4 tiles (N a multiple of 16), B rows of x in passes of up to two; 0
+ * for another type (the caller decodes it). Measured (Zen 3, x86-64-v3, 2 threads, the
+ * default model's shapes, weights from memory): see the README's issue 30 notes.
+ */
+int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                     int out_dtype, int threads) {
+    if (type != T_T4) return 0;
+    const int64_t tiles = N / 16;
+#pragma omp parallel for num_threads(threads) schedule(guided)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = w + 16 * t * row_bytes;
+        int64_t b0 = 0;
+        for (; b0 + 2 <= B; b0 += 2)
+            t4_pass2(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
+        if (b0 < B) t4_pass1(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
+    }
+    return 1;
+}
+#else
+int quant_tiles_avx2_takes(int ggml_type) {
+    (void)ggml_type;
+    return 0;
+}
+
+int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
+                     int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
+                     int out_dtype, int threads) {
+    (void)w, (void)row_bytes, (void)type, (void)xq, (void)B, (void)N, (void)K, (void)out,
+        (void)out_stride, (void)out_dtype, (void)threads;
+    return 0;
+}
+#endif
