@@ -139,8 +139,17 @@ def int8_activations() -> bool:
     """SHARDSERVE_INT8_ACTIVATIONS=1: the row kernels (small batches, the batch-1 decode step)
     quantize x to int8 per 32 values instead of int16, as llama.cpp does: 1.1-2.2x faster rows on
     AVX2, at ~0.5% of a product's largest value as error (int16: ~0.002%), so greedy outputs can
-    differ from the float model's. Default off. Weights the loader tiles (AVX-512) keep int16."""
+    differ from the float model's. Default off. Weights the loader tiles (AVX-512: every tiled
+    type; AVX2: Q4_0, Q4_1, Q8_0, whose int16 tiles ran 1.2-1.7x these int8 rows) keep int16."""
     return _get_bool("SHARDSERVE_INT8_ACTIVATIONS", False)
+
+
+def tiles() -> bool:
+    """SHARDSERVE_TILES: quantized weights whose rows come in multiples of 16 are rewritten at
+    load as tiles of 16 rows where the build has their kernels (model/quantization.py's
+    repacked_type; default on; 0 = the file's layout, for comparison, or to have
+    SHARDSERVE_INT8_ACTIVATIONS reach the types tiles would take)."""
+    return _get_bool("SHARDSERVE_TILES", True)
 
 
 def amx() -> bool:

@@ -18,6 +18,7 @@ from itertools import pairwise
 
 import torch
 
+from shardserve import envs
 from shardserve.model import native_kernels, quant_repack
 from shardserve.model.file_map import drop_pages
 from shardserve.model.huge_pages import huge_pages_on, weight_memory
@@ -174,7 +175,7 @@ def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     if w.ggml_type not in _TILE_OF:
         return None
     lib = native_kernels.lib()
-    if tiled and w.shape[0] % 16 == 0 and lib.quant_tile_takes(w.ggml_type):
+    if tiled and w.shape[0] % 16 == 0 and lib.quant_tile_takes(w.ggml_type) and envs.tiles():
         return _TILE_OF[w.ggml_type]
     if w.ggml_type in (Q4_K, Q6_K) or (w.ggml_type != Q8_0 and w.cols % 64) or \
             not lib.quant_can_repack():

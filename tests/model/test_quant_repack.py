@@ -60,3 +60,16 @@ def test_a_tiled_weight_refuses_to_cut_a_tile() -> None:
         tiled.narrow_rows(8, 16)
     with pytest.raises(ValueError, match="pick rows before repacking"):
         tiled.index_rows(torch.tensor([0, 1]))
+
+
+def test_shardserve_tiles_0_keeps_the_file_layout(monkeypatch) -> None:
+    """SHARDSERVE_TILES=0 (envs.tiles): no tile where the build would make one (an AVX2 build's
+    Q4_0 / Q4_1 / Q8_0, an AVX-512 build's every tiled type)."""
+    lib = nk.lib()
+    w = random_blocks(q.Q4_1, 32, 64, seed=3)
+    if not lib.quant_tile_takes(q.Q4_1):
+        pytest.skip("this build tiles no Q4_1")
+    assert q.repacked_type(w) == q.T4
+    monkeypatch.setenv("SHARDSERVE_TILES", "0")
+    assert q.repacked_type(w) != q.T4
+    assert q.repack(w).ggml_type in (q.Q4_1, q.R4)  # the file's layout, or R4 on AVX-512

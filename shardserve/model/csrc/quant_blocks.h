@@ -411,7 +411,8 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
  * F16C). */
 int quant_can_tile(void);
 /* quant_tiles.c: whether this build tiles weights of a ggml type at load (the AVX-512 builds
- * every tiled type; AVX2 builds Q4_0 / Q4_1, quant_tiles_avx2.c's); and those AVX2 kernels. */
+ * every tiled type; AVX2 builds Q4_0 / Q4_1 / Q8_0, quant_tiles_avx2.c's); and those AVX2
+ * kernels. */
 int quant_tile_takes(int ggml_type);
 int quant_tiles_avx2_takes(int ggml_type);
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

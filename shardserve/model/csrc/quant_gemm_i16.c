@@ -18,6 +18,7 @@
  *     Q6_K  v = (q - 32) sc     (|v| <= 4096, a scale per 16)   dg = d   mg = 0
  *     T4    v = q                              dg = d    mg = m    (Q4_0 / Q4_1 tiles: m = -8 d
  *                                                                      for Q4_0)
+ *     T8    v = q                              dg = d    mg = 0    (Q8_0 tiles)
  * and x's group as dx * qx with |qx| <= 16383, so that 32 products (|v qx| <= 4096 * 16383)
  * stay within an int32:
  *     out[b, n] = sum_g  dg dx[b, g] (sum_k qx v)  +  mg xs32[b, g]
@@ -45,7 +46,7 @@
 
 int gemm_i16_takes(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K || type == T_T4;
+           type == T_Q5_K || type == T_Q6_K || type == T_T4 || type == T_T8;
 }
 
 size_t gemm_i16_scratch_bytes(void) {
@@ -145,22 +146,31 @@ static void decode_k(int type, const uint8_t *row, int64_t k0, int64_t kc, int16
     }
 }
 
-/* T4 (quant_tiles_avx2.c): the tile of 16 rows at `tile`, columns [k0, k0 + kc), straight into
- * the panel: chunk c of a sub-block widened is already 16 rows' pairs of columns (2 c, 2 c + 1)
- * (low nibbles) and (16 + 2 c, 17 + 2 c) (high), so no transposes. v = q, dg = d, mg = m. */
-static void decode_t4_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel,
-                            float *dg, float *mg) {
+/* T4 / T8 (quant_tiles_avx2.c): the tile of 16 rows at `tile`, columns [k0, k0 + kc), straight
+ * into the panel: T4's chunk c of a sub-block widened is already 16 rows' pairs of columns
+ * (2 c, 2 c + 1) (low nibbles) and (16 + 2 c, 17 + 2 c) (high), T8's pair c (2 c, 2 c + 1), so
+ * no transposes. v = q, dg = d, mg = m (T8: 0). */
+static void decode_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t kc,
+                              int32_t *panel, float *dg, float *mg) {
+    const int t8 = type == T_T8;
     for (int64_t g = 0; g < kc / 32; g++) {
-        const uint8_t *p = tile + T4_SUB_BYTES * (k0 / 32 + g);
+        const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * (k0 / 32 + g);
         for (int h = 0; h < 2; h++) {
-            _mm256_store_ps(dg + NT * g + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
+            _mm256_store_ps(dg + NT * g + 8 * h,
+                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
             _mm256_store_ps(mg + NT * g + 8 * h,
-                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))));
+                            t8 ? _mm256_setzero_ps()
+                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))));
         }
-        for (int c = 0; c < 8; c++)
+        for (int c = 0; c < (t8 ? 16 : 8); c++)
             for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_cvtepu8_epi16(
-                    _mm_loadu_si128((const __m128i *)(p + T4_Q + 32 * c + 16 * h)));
+                const __m128i b = _mm_loadu_si128((const __m128i *)(p + (t8 ? T8_Q : T4_Q) + 32 * c + 16 * h));
+                if (t8) {
+                    _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
+                                       _mm256_cvtepi8_epi16(b));
+                    continue;
+                }
+                const __m256i v = _mm256_cvtepu8_epi16(b);
                 _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
                                    _mm256_and_si256(v, _mm256_set1_epi16(0xF)));
                 _mm256_store_si256((__m256i *)(panel + (16 * g + 8 + c) * NT + 8 * h),
@@ -244,8 +254,8 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        if (type == T_T4) { /* n0 is a tile's first row (NT = 16), nt = 16 */
-            decode_t4_panel(w + n0 * row_bytes, k0, kc, panel, dg, mg);
+        if (type == T_T4 || type == T_T8) { /* n0 is a tile's first row (NT = 16), nt = 16 */
+            decode_tile_panel(type, w + n0 * row_bytes, k0, kc, panel, dg, mg);
         } else {
             for (int64_t c = 0; c < nt; c++)
                 (kquant ? decode_k : decode_32)(type, w + (n0 + c) * row_bytes, k0, kc,

@@ -1,6 +1,6 @@
 /*
- * T4 tiles (Q4_0 / Q4_1 in tiles of 16 rows, quant_tiles.c draws the layout) on AVX2 builds
- * without AVX-512: their product with a few rows of x quantized to int16 per 32.
+ * T4 / T8 tiles (Q4_0 / Q4_1 / Q8_0 in tiles of 16 rows, quant_tiles.c draws the layouts) on
+ * AVX2 builds without AVX-512: their product with a few rows of x quantized to int16 per 32.
  *
  * Why: at one row of x the file layout needs a reduction per weight row: quant_rows_avx2.c's
  * strips fold 8 rows' products with six vphaddd per 32 columns, and with the scales gathered
@@ -13,8 +13,9 @@
  *   dot[r] += vpmaddwd(pair, x's pair broadcast) + ...     (int32 lanes = rows, no reduction)
  *   per sub-block and row of x:  res += float(dot) * (d[16] * x.d)  +  m[16] * x.xs32
  *
- * ~7 vector instructions per 32 weights at one row of x. The same integers as the rows
- * kernels (w <= 15, |x| <= 32767, 32 products per lane fit an int32), other float order.
+ * ~7 vector instructions per 32 weights at one row of x; T8 the same with each pair of int8
+ * columns widened (sign-extended) instead of the nibbles. The same integers as the rows kernels
+ * (|w| <= 128, |x| <= 32767: 32 products per lane fit an int32), other float order.
  * Measured: see quant_tiles_avx2's comment.
  */
 #include "quant_blocks.h"
@@ -65,33 +66,64 @@ ALWAYS_INLINE void t4_dots(int NB, const uint8_t *p, const int16_t *const *x, __
         for (int h = 0; h < 2; h++) dot[0][h] = _mm256_add_epi32(dot[0][h], odd[h]);
 }
 
-/* A tile's 16 outputs for NB rows of x from b0 into res[i][h]. */
-ALWAYS_INLINE void t4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
-                           int64_t K, __m256 (*res)[2]) {
+/* T8's sub-block g (at p): pair q (32 bytes) holds the 16 rows' int8 columns (2 q, 2 q + 1). */
+ALWAYS_INLINE void t8_dots(int NB, const uint8_t *p, const int16_t *const *x, __m256i (*dot)[2]) {
+    __m256i odd[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int i = 0; i < NB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int q = 0; q < 16; q++) {
+        if (q % 2 == 0) _mm_prefetch((const char *)p + T8_Q + 32 * q + 2048, _MM_HINT_T0);
+        __m256i v[2];
+        for (int h = 0; h < 2; h++)
+            v[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + T8_Q + 32 * q + 16 * h)));
+        for (int i = 0; i < NB; i++) {
+            const __m256i xp = pair_of(x[i] + 2 * q);
+            for (int h = 0; h < 2; h++) {
+                const __m256i s = _mm256_madd_epi16(v[h], xp);
+                if (NB == 1 && q % 2)
+                    odd[h] = _mm256_add_epi32(odd[h], s);
+                else
+                    dot[i][h] = _mm256_add_epi32(dot[i][h], s);
+            }
+        }
+    }
+    if (NB == 1)
+        for (int h = 0; h < 2; h++) dot[0][h] = _mm256_add_epi32(dot[0][h], odd[h]);
+}
+
+/* A tile's 16 outputs for NB rows of x from b0 into res[i][h] (T4: w = d q + m; T8: d q). */
+ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
+                             int64_t b0, int64_t K, __m256 (*res)[2]) {
     const int64_t nsub = K / 32;
     for (int i = 0; i < NB; i++) res[i][0] = res[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nsub; g++) {
-        const uint8_t *p = tile + T4_SUB_BYTES * g;
+        const uint8_t *p = tile + (TYPE == T_T8 ? T8_SUB_BYTES : T4_SUB_BYTES) * g;
         const int16_t *x[PASS_MAX];
         for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 32 * g;
         __m256i dot[PASS_MAX][2];
-        t4_dots(NB, p, x, dot);
+        if (TYPE == T_T8)
+            t8_dots(NB, p, x, dot);
+        else
+            t4_dots(NB, p, x, dot);
         for (int h = 0; h < 2; h++) {
-            const __m256 d = halves8(p + 16 * h), m = halves8(p + 32 + 16 * h);
+            const __m256 d = halves8(p + 16 * h);
             for (int i = 0; i < NB; i++) {
                 const int64_t at = (b0 + i) * nsub + g;
                 res[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]),
                                             _mm256_mul_ps(d, _mm256_set1_ps(xq->d[at])), res[i][h]);
-                res[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq->xs32[at]), res[i][h]);
+                if (TYPE == T_T4)
+                    res[i][h] = _mm256_fmadd_ps(halves8(p + 32 + 16 * h),
+                                                _mm256_set1_ps(xq->xs32[at]), res[i][h]);
             }
         }
     }
 }
 
-ALWAYS_INLINE void t4_pass(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0,
-                           int64_t n0, int64_t K, void *out, int64_t out_stride, int out_dtype) {
+ALWAYS_INLINE void tile_pass(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
+                             int64_t b0, int64_t n0, int64_t K, void *out, int64_t out_stride,
+                             int out_dtype) {
     __m256 res[PASS_MAX][2];
-    t4_rows(NB, tile, xq, b0, K, res);
+    tile_rows(TYPE, NB, tile, xq, b0, K, res);
     for (int i = 0; i < NB; i++) {
         float v[16];
         _mm256_storeu_ps(v, res[i][0]);
@@ -100,17 +132,21 @@ ALWAYS_INLINE void t4_pass(int NB, const uint8_t *tile, const xquant_t *xq, int6
     }
 }
 
-static void t4_pass1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
-                     void *out, int64_t out_stride, int out_dtype) {
-    t4_pass(1, tile, xq, b0, n0, K, out, out_stride, out_dtype);
-}
+typedef void (*pass_fn)(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0,
+                        int64_t K, void *out, int64_t out_stride, int out_dtype);
+#define PASS_FN(NAME, TYPE, NB)                                                                \
+    static void NAME(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K, \
+                     void *out, int64_t out_stride, int out_dtype) {                         \
+        tile_pass(TYPE, NB, tile, xq, b0, n0, K, out, out_stride, out_dtype);                  \
+    }
+PASS_FN(t4_pass1, T_T4, 1)
+PASS_FN(t4_pass2, T_T4, 2)
+PASS_FN(t8_pass1, T_T8, 1)
+PASS_FN(t8_pass2, T_T8, 2)
 
-static void t4_pass2(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
-                     void *out, int64_t out_stride, int out_dtype) {
-    t4_pass(2, tile, xq, b0, n0, K, out, out_stride, out_dtype);
+int quant_tiles_avx2_takes(int ggml_type) {
+    return ggml_type == T_Q4_0 || ggml_type == T_Q4_1 || ggml_type == T_Q8_0;
 }
-
-int quant_tiles_avx2_takes(int ggml_type) { return ggml_type == T_Q4_0 || ggml_type == T_Q4_1; }
 
 /*
  * out = x @ W^T for W in T4 tiles (N a multiple of 16), B rows of x in passes of up to two; 0
@@ -120,15 +156,15 @@ int quant_tiles_avx2_takes(int ggml_type) { return ggml_type == T_Q4_0 || ggml_t
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
-    if (type != T_T4) return 0;
+    if (type != T_T4 && type != T_T8) return 0;
+    const pass_fn one = type == T_T8 ? t8_pass1 : t4_pass1, two = type == T_T8 ? t8_pass2 : t4_pass2;
     const int64_t tiles = N / 16;
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = w + 16 * t * row_bytes;
         int64_t b0 = 0;
-        for (; b0 + 2 <= B; b0 += 2)
-            t4_pass2(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
-        if (b0 < B) t4_pass1(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
+        for (; b0 + 2 <= B; b0 += 2) two(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
+        if (b0 < B) one(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
     }
     return 1;
 }
