@@ -140,7 +140,8 @@ def int8_activations() -> bool:
     quantize x to int8 per 32 values instead of int16, as llama.cpp does: 1.1-2.2x faster rows on
     AVX2, at ~0.5% of a product's largest value as error (int16: ~0.002%), so greedy outputs can
     differ from the float model's. Default off. Weights the loader tiles (AVX-512: every tiled
-    type; AVX2: Q4_0, Q4_1, Q8_0, whose int16 tiles ran 1.2-1.7x these int8 rows) keep int16."""
+    type; AVX2: Q4_0, Q4_1, Q8_0, Q4_K, whose int16 tiles ran 1.2-1.7x these int8 rows) keep
+    int16."""
     return _get_bool("SHARDSERVE_INT8_ACTIVATIONS", False)
 
 

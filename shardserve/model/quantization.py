@@ -64,7 +64,9 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # 32 rows at 3072 x 576 but 1.12-1.17x at 576 x 1536 (0.88-0.96x at 16), so they stay at 16.
 # Where the GEMM multiplies with int16 x (AVX2 builds, csrc/quant_gemm_i16.c) it beat the rows
 # from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
-# the rows still win at 8: 0.7x-0.95x).
+# the rows still win at 8: 0.7x-0.95x). AVX2 builds' tiles (T4, T8, T4K; csrc/quant_tiles_avx2.c)
+# hand over to it past 8 too: T4K's rows at 8 / 12 / 16 / 32 rows of x took 0.76x / 1.01x /
+# 1.06x / 1.09x the GEMM's time (Zen 3, 2 threads, 1B shapes).
 ROWS_MAX_INT16_GEMM = 8
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8

@@ -73,9 +73,13 @@ def test_amx_is_on_where_the_build_and_cpu_have_it_and_the_knob_turns_it_off(
     assert bool(lib.gemm_amx_ready()) == on
     with nk.using(lib):
         assert q.gemm_amx() == on
-        want = q.ROWS_MAX_AMX_KQUANT if on else q.ROWS_MAX_TILES_KQUANT
-        assert q.rows_max(q.T4K, torch.bfloat16) == want
-        assert q.rows_max(q.T4K, torch.float32) == q.ROWS_MAX_F32_KQUANT  # float32 x: no AMX
+        if q.gemm_int16(q.T4K):  # AVX2 levels: T4K's rows hand over to the int16 GEMM
+            assert q.rows_max(q.T4K, torch.bfloat16) == q.ROWS_MAX_INT16_GEMM
+            assert q.rows_max(q.T4K, torch.float32) == q.ROWS_MAX_INT16_GEMM
+        else:
+            want = q.ROWS_MAX_AMX_KQUANT if on else q.ROWS_MAX_TILES_KQUANT
+            assert q.rows_max(q.T4K, torch.bfloat16) == want
+            assert q.rows_max(q.T4K, torch.float32) == q.ROWS_MAX_F32_KQUANT  # no AMX
     monkeypatch.setenv("SHARDSERVE_AMX", "0")
     nk.library.cache_clear()
     off = nk.library()

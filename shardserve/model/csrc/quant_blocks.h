@@ -363,6 +363,18 @@ ALWAYS_INLINE void fused_block_scales(int TYPE, const uint8_t *blk, float *k_s, 
     }
 }
 
+/* T4K on AVX2 (quant_tiles_avx2.c, quant_gemm_i16.c): k4_scale below for 8 rows of a tile, as
+ * int32 lanes (h: rows 8 h .. 8 h + 7; a, b, c: their A, B, C words). */
+ALWAYS_INLINE __m256i k4_scale8(int j, int min, __m256i a, __m256i b, __m256i c) {
+    const __m256i lo6 = min ? b : a;
+    if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(lo6, 8 * j), _mm256_set1_epi32(63));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(c, 8 * (j - 4) + 4 * min),
+                                         _mm256_set1_epi32(0xF));
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(lo6, 8 * (j - 4) + 2),
+                                         _mm256_set1_epi32(0x30));
+    return _mm256_or_si256(low, top);
+}
+
 #if defined(__AVX512F__)
 /* 16 floats to bfloat16, rounded as f32x8_to_bf16 rounds. */
 static inline __m256i f32x16_to_bf16(__m512 v) {
@@ -411,8 +423,8 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
  * F16C). */
 int quant_can_tile(void);
 /* quant_tiles.c: whether this build tiles weights of a ggml type at load (the AVX-512 builds
- * every tiled type; AVX2 builds Q4_0 / Q4_1 / Q8_0, quant_tiles_avx2.c's); and those AVX2
- * kernels. */
+ * every tiled type; AVX2 builds Q4_0 / Q4_1 / Q8_0 / Q4_K, quant_tiles_avx2.c's); and those
+ * AVX2 kernels. */
 int quant_tile_takes(int ggml_type);
 int quant_tiles_avx2_takes(int ggml_type);
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

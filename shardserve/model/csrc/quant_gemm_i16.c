@@ -19,6 +19,7 @@
  *     T4    v = q                              dg = d    mg = m    (Q4_0 / Q4_1 tiles: m = -8 d
  *                                                                      for Q4_0)
  *     T8    v = q                              dg = d    mg = 0    (Q8_0 tiles)
+ *     T4K   v = q sc_j                         dg = d    mg = -dmin m_j  (Q4_K tiles)
  * and x's group as dx * qx with |qx| <= 16383, so that 32 products (|v qx| <= 4096 * 16383)
  * stay within an int32:
  *     out[b, n] = sum_g  dg dx[b, g] (sum_k qx v)  +  mg xs32[b, g]
@@ -46,7 +47,7 @@
 
 int gemm_i16_takes(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K || type == T_T4 || type == T_T8;
+           type == T_Q5_K || type == T_Q6_K || type == T_T4 || type == T_T8 || type == T_T4K;
 }
 
 size_t gemm_i16_scratch_bytes(void) {
@@ -179,6 +180,39 @@ static void decode_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t
     }
 }
 
+/* T4K: the tile's blocks of columns [k0, k0 + kc) into the panel, each sub-block's values times
+ * its 6-bit scale (v = q sc_j <= 945, as decode_k's Q4_K), dg = d, mg = -dmin m_j. */
+static void decode_t4k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel,
+                             float *dg, float *mg) {
+    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        const int64_t g0 = bi * 8 - k0 / 32;
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
+            for (int j = 0; j < 8; j++) {
+                const __m256i sc = k4_scale8(j, 0, a, b, c);
+                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* per int16 */
+                _mm256_store_ps(dg + NT * (g0 + j) + 8 * h, d);
+                _mm256_store_ps(mg + NT * (g0 + j) + 8 * h,
+                                _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin),
+                                              _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c))));
+                const uint8_t *nib = p + T4K_NIB + 512 * (j / 2) + 16 * h;
+                for (int t = 0; t < 16; t++) {
+                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t)));
+                    const __m256i q = j % 2 ? _mm256_srli_epi16(v, 4)
+                                            : _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+                    _mm256_store_si256((__m256i *)(panel + (16 * (g0 + j) + t) * NT + 8 * h),
+                                       _mm256_mullo_epi16(q, sc2));
+                }
+            }
+        }
+    }
+}
+
 /* facc[r][h] (otile's rows) += x rows [mr] times the panel's kc columns; `mins`: add mg xs32. */
 ALWAYS_INLINE void micro(int mr, int mins, const int16_t *x, int64_t K, const float *dx,
                          const float *sx, const int32_t *panel, const float *dg, const float *mg,
@@ -250,11 +284,14 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     float *dg = (float *)(panel + NT * KC / 2), *mg = dg + NT * KC / 32;
     int16_t *rows = (int16_t *)(mg + NT * KC / 32);
     const int kquant = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-    const int mins = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_T4;
+    const int mins = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_T4 ||
+                     type == T_T4K;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        if (type == T_T4 || type == T_T8) { /* n0 is a tile's first row (NT = 16), nt = 16 */
+        if (type == T_T4K) { /* n0 is a tile's first row (NT = 16), nt = 16 */
+            decode_t4k_panel(w + n0 * row_bytes, k0, kc, panel, dg, mg);
+        } else if (type == T_T4 || type == T_T8) {
             decode_tile_panel(type, w + n0 * row_bytes, k0, kc, panel, dg, mg);
         } else {
             for (int64_t c = 0; c < nt; c++)

@@ -23,6 +23,7 @@
 #if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 
 #define PASS_MAX 2 /* rows of x a pass: 2 int32 and 2 float accumulators each, no spill */
+#define K4_PASS_MAX 4 /* T4K's, a half tile at a time (k4_dots) */
 
 static inline __m256 halves8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -119,11 +120,100 @@ ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant
     }
 }
 
+/* T4K: sub-block 2 pair + sub of block bi (the pair's low nibbles, sub 0, or high ones) times NB
+ * rows of x: dot[i][h] (rows 8 h .. 8 h + 7). A sub-block at a time, so that at 4 rows of x the
+ * 8 sums, the values and x's pair fit the 16 registers (both at once took 16 sums). */
+ALWAYS_INLINE void k4_dots(int NB, int sub, const uint8_t *nib, const int16_t *const *x,
+                           __m256i (*dot)[2]) {
+    for (int i = 0; i < NB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        if (sub == 0 && t % 2 == 0) _mm_prefetch((const char *)nib + 32 * t + 2048, _MM_HINT_T0);
+        __m256i v[2];
+        for (int h = 0; h < 2; h++) {
+            v[h] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t + 16 * h)));
+            v[h] = sub ? _mm256_srli_epi16(v[h], 4) : _mm256_and_si256(v[h], _mm256_set1_epi16(0xF));
+        }
+        for (int i = 0; i < NB; i++) {
+            const __m256i xp = pair_of(x[i] + 32 * sub + 2 * t);
+            for (int h = 0; h < 2; h++)
+                dot[i][h] = _mm256_add_epi32(dot[i][h], _mm256_madd_epi16(v[h], xp));
+        }
+    }
+}
+
+/* T4K at one row of x: both sub-blocks of a pair from one widening of the nibbles, dot[s][h]
+ * (4 sums; k4_dots's sub-block at a time re-widens them, which ran 0.95x at one row). */
+ALWAYS_INLINE void k4_pair_dots(const uint8_t *nib, const int16_t *x, __m256i (*dot)[2]) {
+    for (int sub = 0; sub < 2; sub++) dot[sub][0] = dot[sub][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        if (t % 2 == 0) _mm_prefetch((const char *)nib + 32 * t + 2048, _MM_HINT_T0);
+        const __m256i xl = pair_of(x + 2 * t), xh = pair_of(x + 32 + 2 * t);
+        for (int h = 0; h < 2; h++) {
+            const __m256i v =
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t + 16 * h)));
+            dot[0][h] = _mm256_add_epi32(
+                dot[0][h], _mm256_madd_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0xF)), xl));
+            dot[1][h] = _mm256_add_epi32(dot[1][h], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), xh));
+        }
+    }
+}
+
+/* T4K (quant_tiles.c's layout, w = d sc_j q - dmin m_j): a tile's 16 outputs for NB rows. */
+ALWAYS_INLINE void k4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t K,
+                           __m256 (*res)[2]) {
+    const int64_t nsub = K / 32;
+    /* At 2-4 rows of x the float sums wait in memory while the dots run (the registers are the
+     * dots'; the asm makes the compiler keep them there). */
+    float acc[K4_PASS_MAX][16] __attribute__((aligned(32))) = {{0}};
+    __m256i pair[2][2]; /* one row of x: the pair's sums, made at its even sub-block */
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        for (int j = 0; j < 8; j++) {
+            const int16_t *x[K4_PASS_MAX];
+            for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 256 * bi + 64 * (j / 2);
+            __m256i dot[K4_PASS_MAX][2];
+            if (NB > 1) {
+                __asm__ volatile("" : : "r"(acc) : "memory");
+                k4_dots(NB, j % 2, p + T4K_NIB + 512 * (j / 2), x, dot);
+            } else if (j % 2 == 0) {
+                k4_pair_dots(p + T4K_NIB + 512 * (j / 2), x[0], pair);
+                dot[0][0] = pair[0][0], dot[0][1] = pair[0][1];
+            } else {
+                dot[0][0] = pair[1][0], dot[0][1] = pair[1][1];
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
+                const __m256 sc = _mm256_mul_ps(halves8(p + 16 * h),
+                                                _mm256_cvtepi32_ps(k4_scale8(j, 0, a, b, c)));
+                const __m256 mn = _mm256_mul_ps(halves8(p + 32 + 16 * h),
+                                                _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c)));
+                for (int i = 0; i < NB; i++) {
+                    const int64_t at = (b0 + i) * nsub + 8 * bi + j;
+                    __m256 r = _mm256_load_ps(acc[i] + 8 * h);
+                    r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]),
+                                        _mm256_mul_ps(sc, _mm256_set1_ps(xq->d[at])), r);
+                    _mm256_store_ps(acc[i] + 8 * h,
+                                    _mm256_fnmadd_ps(mn, _mm256_set1_ps(xq->xs32[at]), r));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++)
+        for (int h = 0; h < 2; h++) res[i][h] = _mm256_load_ps(acc[i] + 8 * h);
+}
+
 ALWAYS_INLINE void tile_pass(int TYPE, int NB, const uint8_t *tile, const xquant_t *xq,
                              int64_t b0, int64_t n0, int64_t K, void *out, int64_t out_stride,
                              int out_dtype) {
-    __m256 res[PASS_MAX][2];
-    tile_rows(TYPE, NB, tile, xq, b0, K, res);
+    __m256 res[K4_PASS_MAX][2];
+    if (TYPE == T_T4K)
+        k4_rows(NB, tile, xq, b0, K, res);
+    else
+        tile_rows(TYPE, NB, tile, xq, b0, K, res);
     for (int i = 0; i < NB; i++) {
         float v[16];
         _mm256_storeu_ps(v, res[i][0]);
@@ -143,9 +233,14 @@ PASS_FN(t4_pass1, T_T4, 1)
 PASS_FN(t4_pass2, T_T4, 2)
 PASS_FN(t8_pass1, T_T8, 1)
 PASS_FN(t8_pass2, T_T8, 2)
+PASS_FN(k4_pass1, T_T4K, 1)
+PASS_FN(k4_pass2, T_T4K, 2)
+PASS_FN(k4_pass3, T_T4K, 3)
+PASS_FN(k4_pass4, T_T4K, 4)
 
 int quant_tiles_avx2_takes(int ggml_type) {
-    return ggml_type == T_Q4_0 || ggml_type == T_Q4_1 || ggml_type == T_Q8_0;
+    return ggml_type == T_Q4_0 || ggml_type == T_Q4_1 || ggml_type == T_Q8_0 ||
+           ggml_type == T_Q4_K;
 }
 
 /*
@@ -156,16 +251,20 @@ int quant_tiles_avx2_takes(int ggml_type) {
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
-    if (type != T_T4 && type != T_T8) return 0;
-    const pass_fn one = type == T_T8 ? t8_pass1 : t4_pass1, two = type == T_T8 ? t8_pass2 : t4_pass2;
+    static const pass_fn t4[] = {t4_pass1, t4_pass2}, t8[] = {t8_pass1, t8_pass2};
+    static const pass_fn k4[] = {k4_pass1, k4_pass2, k4_pass3, k4_pass4};
+    const pass_fn *fns = type == T_T4 ? t4 : type == T_T8 ? t8 : type == T_T4K ? k4 : NULL;
+    if (fns == NULL) return 0;
+    /* Passes of equal rows (5 = 3 + 2, not 4 + 1): each pass re-reads the tile from L1. */
+    const int64_t most = type == T_T4K ? K4_PASS_MAX : PASS_MAX;
+    const int64_t passes = (B + most - 1) / most, per = (B + passes - 1) / passes;
     const int64_t tiles = N / 16;
 #pragma omp parallel for num_threads(threads) schedule(guided)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = w + 16 * t * row_bytes;
-        int64_t b0 = 0;
-        for (; b0 + 2 <= B; b0 += 2) two(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
-        if (b0 < B) one(tile, xq, b0, 16 * t, K, out, out_stride, out_dtype);
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b0 = 0; b0 < B; b0 += per) {
+            const int64_t nb = B - b0 < per ? B - b0 : per;
+            fns[nb - 1](w + 16 * t * row_bytes, xq, b0, 16 * t, K, out, out_stride, out_dtype);
+        }
     return 1;
 }
 #else
