@@ -41,8 +41,9 @@
  * of x the float step is then one conversion and two FMAs for 16 weight rows together. Integer
  * sums per lane: 32 products of <= 128 * 32767, far inside int32.
  *
- * AVX-512 builds tile; the others compute tiles handed to them (the tests do) through the
- * row decode below. quant_tile_panels.c decodes tiles for the GEMM.
+ * AVX-512 builds tile every type here; AVX2 builds T4, T8 and T4K (quant_tiles_avx2.c, their
+ * int16 GEMM quant_gemm_i16.c); the others, and AVX2 handed a T6K, compute tiles through the row
+ * decode below (the tests do). quant_tile_panels.c decodes tiles for the float GEMM.
  */
 #include <omp.h>
 

@@ -1,6 +1,7 @@
 /*
- * T4 / T8 tiles (Q4_0 / Q4_1 / Q8_0 in tiles of 16 rows, quant_tiles.c draws the layouts) on
- * AVX2 builds without AVX-512: their product with a few rows of x quantized to int16 per 32.
+ * T4 / T8 / T4K tiles (Q4_0 / Q4_1 / Q8_0 / Q4_K in tiles of 16 rows, quant_tiles.c draws the
+ * layouts) on AVX2 builds without AVX-512: their product with up to 8 rows of x quantized to
+ * int16 per 32 (past 8 quant_gemm_i16.c takes the tiles as its panels).
  *
  * Why: at one row of x the file layout needs a reduction per weight row: quant_rows_avx2.c's
  * strips fold 8 rows' products with six vphaddd per 32 columns, and with the scales gathered
@@ -14,16 +15,18 @@
  *   per sub-block and row of x:  res += float(dot) * (d[16] * x.d)  +  m[16] * x.xs32
  *
  * ~7 vector instructions per 32 weights at one row of x; T8 the same with each pair of int8
- * columns widened (sign-extended) instead of the nibbles. The same integers as the rows kernels
- * (|w| <= 128, |x| <= 32767: 32 products per lane fit an int32), other float order.
- * Measured: see quant_tiles_avx2's comment.
+ * columns widened (sign-extended) instead of the nibbles; T4K with a sub-block's 6-bit scale and
+ * min applied in the float step, per 16 rows. The same integers as the rows kernels (|w| <= 128,
+ * |x| <= 32767: 32 products per lane fit an int32), other float order. Measured against the
+ * blocks' own kernels (Zen 3, 2 threads, random blocks, one process): Q4_1 1.33x at 1 row of x,
+ * 1.31x at 8; Q8_0 1.17x / 1.14x; Q4_K 1.11x / 1.34-1.38x (README, issue 30's tiles session).
  */
 #include "quant_blocks.h"
 
 #if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 
 #define PASS_MAX 2 /* rows of x a pass: 2 int32 and 2 float accumulators each, no spill */
-#define K4_PASS_MAX 4 /* T4K's, a half tile at a time (k4_dots) */
+#define K4_PASS_MAX 4 /* T4K's, a sub-block at a time (k4_dots) */
 
 static inline __m256 halves8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -244,9 +247,8 @@ int quant_tiles_avx2_takes(int ggml_type) {
 }
 
 /*
- * out = x @ W^T for W in T4 tiles (N a multiple of 16), B rows of x in passes of up to two; 0
- * for another type (the caller decodes it). Measured (Zen 3, x86-64-v3, 2 threads, the
- * default model's shapes, weights from memory): see the README's issue 30 notes.
+ * out = x @ W^T for W in T4 / T8 / T4K tiles (N a multiple of 16), B rows of x in passes of up
+ * to PASS_MAX (T4K: K4_PASS_MAX); 0 for another type (the caller decodes it).
  */
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
