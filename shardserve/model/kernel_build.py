@@ -46,7 +46,7 @@ ROWS_REPACKED_SOURCE = _CSRC / "quant_rows_repacked.c"
 ROWS_INT8_SOURCE = _CSRC / "quant_rows_int8.c"
 # And the 4-bit weights repacked in tiles of 16 rows, with their few-rows product.
 TILES_SOURCE = _CSRC / "quant_tiles.c"
-# And their AVX2 builds' own for T4 (Q4_0 / Q4_1 tiles: 16 rows a vector, no reductions).
+# And their AVX2 builds' own for T4 / T8 / T4K (16 rows in two vectors, no reductions).
 TILES_AVX2_SOURCE = _CSRC / "quant_tiles_avx2.c"
 # And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
 TILE_PANELS_SOURCE = _CSRC / "quant_tile_panels.c"

@@ -64,7 +64,7 @@ def test_a_tiled_weight_refuses_to_cut_a_tile() -> None:
 
 def test_shardserve_tiles_0_keeps_the_file_layout(monkeypatch) -> None:
     """SHARDSERVE_TILES=0 (envs.tiles): no tile where the build would make one (an AVX2 build's
-    Q4_0 / Q4_1 / Q8_0, an AVX-512 build's every tiled type)."""
+    Q4_0 / Q4_1 / Q8_0 / Q4_K, an AVX-512 build's every tiled type)."""
     lib = nk.lib()
     w = random_blocks(q.Q4_1, 32, 64, seed=3)
     if not lib.quant_tile_takes(q.Q4_1):
@@ -73,3 +73,23 @@ def test_shardserve_tiles_0_keeps_the_file_layout(monkeypatch) -> None:
     monkeypatch.setenv("SHARDSERVE_TILES", "0")
     assert q.repacked_type(w) != q.T4
     assert q.repack(w).ggml_type in (q.Q4_1, q.R4)  # the file's layout, or R4 on AVX-512
+
+
+@pytest.mark.parametrize("ggml_type", [q.Q4_1, q.Q8_0, q.Q4_K], ids=["Q4_1", "Q8_0", "Q4_K"])
+def test_the_int16_gemm_takes_tiles_as_it_takes_their_blocks(ggml_type: int) -> None:
+    """An AVX2 build's int16 GEMM (csrc/quant_gemm_i16.c) writes its panels straight from T4 /
+    T8 / T4K tiles: the same integers and scales as from the blocks, bit for bit, over several
+    of its 512-column chunks (1280 columns: a chunk boundary inside a K-quant block pair)."""
+    lib = nk.lib()
+    tile = TILED[ggml_type]
+    if not lib.quant_tile_takes(ggml_type) or not q.gemm_int16(tile):
+        pytest.skip("this build's GEMM does not take these tiles as int16 panels")
+    w = random_blocks(ggml_type, 48, 1280, seed=ggml_type)
+    tiled = q.repack(w)
+    assert tiled.ggml_type == tile
+    for rows in (9, 40):
+        x = torch.randn(rows, 1280, generator=torch.Generator().manual_seed(rows))
+        got, want = torch.empty(rows, 48), torch.empty(rows, 48)
+        q.gemm_into(got, x, tiled)
+        q.gemm_into(want, x, w)
+        assert torch.equal(got, want), rows

@@ -142,7 +142,7 @@ def test_resolution(default_model_path: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def int8_level() -> object:
     """The AVX2 build, int8 activations on, the weights kept as blocks (SHARDSERVE_TILES=0: its
-    Q4_0 / Q4_1 / Q8_0 tiles keep int16 x), so that its rows take every type."""
+    Q4_0 / Q4_1 / Q8_0 / Q4_K tiles keep int16 x), so that its rows take every type."""
     if "avx2" not in native_kernels.levels_buildable_here():
         pytest.skip("this CPU cannot run the AVX2 level")
     lib = native_kernels.build_level("avx2")

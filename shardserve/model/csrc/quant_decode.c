@@ -138,8 +138,8 @@ static void decode_r_chunk(int type, const uint8_t *row, int64_t K, int64_t k0, 
 
 void quant_decode_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t K,
                         int64_t k0, int64_t kc, void *out, int out_dtype) {
-    /* A tiled row (builds that tile decode whole tiles: quant_tile_panels.c) goes portable,
-     * from its tile. */
+    /* A tiled row (builds that tile decode whole tiles: quant_tile_panels.c, or on AVX2
+     * quant_gemm_i16.c) goes portable, from its tile. */
     const int tiled = IS_TILED(type), lane = tiled ? (int)(n % 16) : 0;
     const uint8_t *row = w + (n - lane) * row_bytes;
 #if QK_SIMD && defined(__AVX512F__)

@@ -29,6 +29,7 @@
  *   per tile of 16 weight rows (quant_gemm.c's threads), per chunk of KC columns:
  *     rows [16][KC] int16 <- each weight row decoded;   dg, mg [KC / 32][16]
  *     panel [KC / 2][16] int32 <- 8 x 8 transposes of rows (a pair of columns is one int32)
+ *       (T4 / T8 / T4K tiles: the panel straight from the tile, no rows, no transposes)
  *     per BR rows of x, per pair of columns:  w0 w1 = panel[pair][0 .. 16)
  *         per row r:  acc[r][h] += vpmaddwd(w_h, x[r]'s pair broadcast)          (int32)
  *       per group of 32, per row:  facc[r][h] += cvt(acc[r][h]) * dg dx + mg xs32   (float)
@@ -157,15 +158,16 @@ static void decode_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t
     for (int64_t g = 0; g < kc / 32; g++) {
         const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * (k0 / 32 + g);
         for (int h = 0; h < 2; h++) {
-            _mm256_store_ps(dg + NT * g + 8 * h,
-                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
+            const __m128i *dh = (const __m128i *)(p + 16 * h);
+            const __m128i *mh = (const __m128i *)(p + 32 + 16 * h);
+            _mm256_store_ps(dg + NT * g + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(dh)));
             _mm256_store_ps(mg + NT * g + 8 * h,
-                            t8 ? _mm256_setzero_ps()
-                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))));
+                            t8 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128(mh)));
         }
         for (int c = 0; c < (t8 ? 16 : 8); c++)
             for (int h = 0; h < 2; h++) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(p + (t8 ? T8_Q : T4_Q) + 32 * c + 16 * h));
+                const uint8_t *chunk = p + (t8 ? T8_Q : T4_Q) + 32 * c + 16 * h;
+                const __m128i b = _mm_loadu_si128((const __m128i *)chunk);
                 if (t8) {
                     _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
                                        _mm256_cvtepi8_epi16(b));
@@ -189,7 +191,8 @@ static void decode_t4k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_
         const int64_t g0 = bi * 8 - k0 / 32;
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
+            const __m256 dmin =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
             const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
             const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
             const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
@@ -202,7 +205,8 @@ static void decode_t4k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_
                                               _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c))));
                 const uint8_t *nib = p + T4K_NIB + 512 * (j / 2) + 16 * h;
                 for (int t = 0; t < 16; t++) {
-                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t)));
+                    const __m256i v =
+                        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t)));
                     const __m256i q = j % 2 ? _mm256_srli_epi16(v, 4)
                                             : _mm256_and_si256(v, _mm256_set1_epi16(0xF));
                     _mm256_store_si256((__m256i *)(panel + (16 * (g0 + j) + t) * NT + 8 * h),

@@ -21,7 +21,8 @@
  * The integer sums are exact (|v| <= 128, |q| <= 127: a pair <= 32512 fits int16), so the
  * levels differ only in the order of the float additions. Applies to the row layouts
  * (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) up to the row kernels' rows of x; the tiles and
- * repacked rows an AVX-512 build makes at load keep int16 (native_kernels.py says so at start).
+ * repacked rows a build makes at load (AVX-512: every tiled type; AVX2: Q4_0, Q4_1, Q8_0, Q4_K)
+ * keep int16 (native_kernels.py says so at start; SHARDSERVE_TILES=0 keeps the row layouts).
  *
  * Measured (Zen 4 EPYC, x86-64-v3 build, 2 threads, 6 distinct weights from memory, alternating
  * with int16 in one process, medians of 5; bench/int8_rows.py): 1 x 2048 -> 8192 / 8192 -> 2048

@@ -3,8 +3,9 @@
  * T4 / T8 / T4K / T6K layouts): a row's bytes of a sub-block are one 16-bit word of each chunk, so
  * the chunks are transposed as 8 x 8 blocks of words in registers (row by row they would be
  * gathered a word at a time), then 16 values at a time are written as w = s * q + m in one
- * fused rounding, float32 or bfloat16. AVX-512 builds (those that tile); the others decode
- * tiles row by row (quant_decode.c).
+ * fused rounding, float32 or bfloat16. AVX-512 builds (those that tile every type); AVX2 builds
+ * decode their tiles into int16 panels (quant_gemm_i16.c), the others row by row
+ * (quant_decode.c).
  */
 #include "quant_blocks.h"
 

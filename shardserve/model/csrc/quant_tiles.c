@@ -376,7 +376,8 @@ int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant
     return 1;
 }
 #else
-/* Builds without AVX-512: AVX2 ones tile Q4_0 / Q4_1 (quant_tiles_avx2.c), others nothing. */
+/* Builds without AVX-512: AVX2 ones tile Q4_0 / Q4_1 / Q8_0 / Q4_K (quant_tiles_avx2.c), others
+ * nothing. */
 int quant_can_tile(void) { return 0; }
 
 int quant_tile_takes(int ggml_type) { return quant_tiles_avx2_takes(ggml_type); }

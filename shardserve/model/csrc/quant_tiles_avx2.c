@@ -49,8 +49,8 @@ ALWAYS_INLINE void t4_dots(int NB, const uint8_t *p, const int16_t *const *x, __
         const __m256i m = _mm256_set1_epi16(0xF);
         __m256i lo[2], hi[2];
         for (int h = 0; h < 2; h++) {
-            const __m256i v =
-                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + T4_Q + 32 * c + 16 * h)));
+            const __m128i *chunk = (const __m128i *)(p + T4_Q + 32 * c + 16 * h);
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk));
             lo[h] = _mm256_and_si256(v, m);
             hi[h] = _mm256_srli_epi16(v, 4);
         }
@@ -78,8 +78,10 @@ ALWAYS_INLINE void t8_dots(int NB, const uint8_t *p, const int16_t *const *x, __
     for (int q = 0; q < 16; q++) {
         if (q % 2 == 0) _mm_prefetch((const char *)p + T8_Q + 32 * q + 2048, _MM_HINT_T0);
         __m256i v[2];
-        for (int h = 0; h < 2; h++)
-            v[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + T8_Q + 32 * q + 16 * h)));
+        for (int h = 0; h < 2; h++) {
+            const __m128i *pair_q = (const __m128i *)(p + T8_Q + 32 * q + 16 * h);
+            v[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(pair_q));
+        }
         for (int i = 0; i < NB; i++) {
             const __m256i xp = pair_of(x[i] + 2 * q);
             for (int h = 0; h < 2; h++) {
@@ -135,7 +137,8 @@ ALWAYS_INLINE void k4_dots(int NB, int sub, const uint8_t *nib, const int16_t *c
         __m256i v[2];
         for (int h = 0; h < 2; h++) {
             v[h] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t + 16 * h)));
-            v[h] = sub ? _mm256_srli_epi16(v[h], 4) : _mm256_and_si256(v[h], _mm256_set1_epi16(0xF));
+            v[h] = sub ? _mm256_srli_epi16(v[h], 4)
+                       : _mm256_and_si256(v[h], _mm256_set1_epi16(0xF));
         }
         for (int i = 0; i < NB; i++) {
             const __m256i xp = pair_of(x[i] + 32 * sub + 2 * t);
@@ -163,10 +166,31 @@ ALWAYS_INLINE void k4_pair_dots(const uint8_t *nib, const int16_t *x, __m256i (*
     }
 }
 
+/* T4K's float step of sub-block j of block p (block bi): acc[i] += its dots times d sc_j x.d,
+ * less dmin m_j x.xs32, 8 rows of the tile (h) at a time. */
+ALWAYS_INLINE void k4_scale_step(int NB, const uint8_t *p, int64_t bi, int j, __m256i (*dot)[2],
+                                 const xquant_t *xq, int64_t b0, int64_t nsub, float (*acc)[16]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
+        const __m256 sc = _mm256_mul_ps(halves8(p + 16 * h),
+                                        _mm256_cvtepi32_ps(k4_scale8(j, 0, a, b, c)));
+        const __m256 mn = _mm256_mul_ps(halves8(p + 32 + 16 * h),
+                                        _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c)));
+        for (int i = 0; i < NB; i++) {
+            const int64_t at = (b0 + i) * nsub + 8 * bi + j;
+            __m256 r = _mm256_load_ps(acc[i] + 8 * h);
+            r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]),
+                                _mm256_mul_ps(sc, _mm256_set1_ps(xq->d[at])), r);
+            _mm256_store_ps(acc[i] + 8 * h, _mm256_fnmadd_ps(mn, _mm256_set1_ps(xq->xs32[at]), r));
+        }
+    }
+}
+
 /* T4K (quant_tiles.c's layout, w = d sc_j q - dmin m_j): a tile's 16 outputs for NB rows. */
 ALWAYS_INLINE void k4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t K,
                            __m256 (*res)[2]) {
-    const int64_t nsub = K / 32;
     /* At 2-4 rows of x the float sums wait in memory while the dots run (the registers are the
      * dots'; the asm makes the compiler keep them there). */
     float acc[K4_PASS_MAX][16] __attribute__((aligned(32))) = {{0}};
@@ -174,35 +198,18 @@ ALWAYS_INLINE void k4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int6
     for (int64_t bi = 0; bi < K / 256; bi++) {
         const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
         for (int j = 0; j < 8; j++) {
+            const uint8_t *nib = p + T4K_NIB + 512 * (j / 2);
             const int16_t *x[K4_PASS_MAX];
             for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 256 * bi + 64 * (j / 2);
             __m256i dot[K4_PASS_MAX][2];
             if (NB > 1) {
                 __asm__ volatile("" : : "r"(acc) : "memory");
-                k4_dots(NB, j % 2, p + T4K_NIB + 512 * (j / 2), x, dot);
-            } else if (j % 2 == 0) {
-                k4_pair_dots(p + T4K_NIB + 512 * (j / 2), x[0], pair);
-                dot[0][0] = pair[0][0], dot[0][1] = pair[0][1];
+                k4_dots(NB, j % 2, nib, x, dot);
             } else {
-                dot[0][0] = pair[1][0], dot[0][1] = pair[1][1];
+                if (j % 2 == 0) k4_pair_dots(nib, x[0], pair);
+                dot[0][0] = pair[j % 2][0], dot[0][1] = pair[j % 2][1];
             }
-            for (int h = 0; h < 2; h++) {
-                const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
-                const __m256 sc = _mm256_mul_ps(halves8(p + 16 * h),
-                                                _mm256_cvtepi32_ps(k4_scale8(j, 0, a, b, c)));
-                const __m256 mn = _mm256_mul_ps(halves8(p + 32 + 16 * h),
-                                                _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c)));
-                for (int i = 0; i < NB; i++) {
-                    const int64_t at = (b0 + i) * nsub + 8 * bi + j;
-                    __m256 r = _mm256_load_ps(acc[i] + 8 * h);
-                    r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]),
-                                        _mm256_mul_ps(sc, _mm256_set1_ps(xq->d[at])), r);
-                    _mm256_store_ps(acc[i] + 8 * h,
-                                    _mm256_fnmadd_ps(mn, _mm256_set1_ps(xq->xs32[at]), r));
-                }
-            }
+            k4_scale_step(NB, p, bi, j, dot, xq, b0, K / 32, acc);
         }
     }
     for (int i = 0; i < NB; i++)
@@ -221,7 +228,8 @@ ALWAYS_INLINE void tile_pass(int TYPE, int NB, const uint8_t *tile, const xquant
         float v[16];
         _mm256_storeu_ps(v, res[i][0]);
         _mm256_storeu_ps(v + 8, res[i][1]);
-        for (int r = 0; r < 16; r++) store_out(out, (b0 + i) * out_stride + n0 + r, v[r], out_dtype);
+        for (int r = 0; r < 16; r++)
+            store_out(out, (b0 + i) * out_stride + n0 + r, v[r], out_dtype);
     }
 }
 
@@ -257,6 +265,7 @@ int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant
     static const pass_fn k4[] = {k4_pass1, k4_pass2, k4_pass3, k4_pass4};
     const pass_fn *fns = type == T_T4 ? t4 : type == T_T8 ? t8 : type == T_T4K ? k4 : NULL;
     if (fns == NULL) return 0;
+    if (B <= 0) return 1;
     /* Passes of equal rows (5 = 3 + 2, not 4 + 1): each pass re-reads the tile from L1. */
     const int64_t most = type == T_T4K ? K4_PASS_MAX : PASS_MAX;
     const int64_t passes = (B + most - 1) / most, per = (B + passes - 1) / passes;
