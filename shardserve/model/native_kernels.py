@@ -95,8 +95,10 @@ def library() -> ctypes.CDLL | None:
 def _tiles_keep_int16(lib: ctypes.CDLL) -> str:
     """The int8 warning's note on this level's 16-row tiles, which keep int16 x (none with
     SHARDSERVE_TILES=0)."""
+    if not envs.tiles():
+        return ""
     tiled = [name for name, t in (("Q4_0", 2), ("Q4_1", 3), ("Q8_0", 8), ("Q4_K", 12),
-                                  ("Q6_K", 14)) if lib.quant_tile_takes(t) and envs.tiles()]
+                                  ("Q6_K", 14)) if lib.quant_tile_takes(t)]
     return (f"; this level's 16-row tiles ({', '.join(tiled)} with rows in multiples of 16) "
             "keep int16") if tiled else ""
 

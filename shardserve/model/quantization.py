@@ -173,8 +173,8 @@ def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     """T4 for Q4_0 / Q4_1, T8 for Q8_0, T4K for Q4_K and T6K for Q6_K where `tiled` (the
     caller's pieces) and w's rows come in multiples of 16 and this build computes that tile
     (AVX-512 every one, AVX2 T4, T8, T4K; SHARDSERVE_TILES=0: none); else R4 (cols a
-    multiple of 64) and R8 where it computes
-    those (AVX-512; the K-quants keep their layout); None to keep w's layout."""
+    multiple of 64) and R8 where it computes those (AVX-512; the K-quants keep their layout);
+    None to keep w's layout."""
     if w.ggml_type not in _TILE_OF:
         return None
     lib = native_kernels.lib()

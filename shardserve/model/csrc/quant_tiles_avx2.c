@@ -38,55 +38,37 @@ static inline __m256i pair_of(const int16_t *x) {
     return _mm256_set1_epi32(pair);
 }
 
-/* Sub-block g (at p) of a tile times NB rows of x: dot[i][h], rows 8 h .. 8 h + 7. At one row
- * the even and odd chunks add into accumulators of their own (two chains of vpaddd, not one). */
-ALWAYS_INLINE void t4_dots(int NB, const uint8_t *p, const int16_t *const *x, __m256i (*dot)[2]) {
-    __m256i odd[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int i = 0; i < NB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; c++) {
-        if (c % 2 == 0) _mm_prefetch((const char *)p + T4_Q + 32 * c + 2048, _MM_HINT_T0);
-        const __m256i m = _mm256_set1_epi16(0xF);
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; h++) {
-            const __m128i *chunk = (const __m128i *)(p + T4_Q + 32 * c + 16 * h);
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(chunk));
-            lo[h] = _mm256_and_si256(v, m);
-            hi[h] = _mm256_srli_epi16(v, 4);
-        }
-        for (int i = 0; i < NB; i++) {
-            const __m256i xl = pair_of(x[i] + 2 * c), xh = pair_of(x[i] + 16 + 2 * c);
-            for (int h = 0; h < 2; h++) {
-                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo[h], xl),
-                                                   _mm256_madd_epi16(hi[h], xh));
-                if (NB == 1 && c % 2)
-                    odd[h] = _mm256_add_epi32(odd[h], s);
-                else
-                    dot[i][h] = _mm256_add_epi32(dot[i][h], s);
-            }
-        }
-    }
-    if (NB == 1)
-        for (int h = 0; h < 2; h++) dot[0][h] = _mm256_add_epi32(dot[0][h], odd[h]);
-}
-
-/* T8's sub-block g (at p): pair q (32 bytes) holds the 16 rows' int8 columns (2 q, 2 q + 1). */
-ALWAYS_INLINE void t8_dots(int NB, const uint8_t *p, const int16_t *const *x, __m256i (*dot)[2]) {
+/* Sub-block g (at p) of a T4 / T8 tile times NB rows of x: dot[i][h], rows 8 h .. 8 h + 7. T4
+ * goes a chunk (columns 2 c, 2 c + 1 in the low nibbles, 16 + 2 c, 17 + 2 c in the high) a
+ * step, T8 a pair of int8 columns (2 q, 2 q + 1). At one row the even and odd steps add into
+ * accumulators of their own (two chains of vpaddd, not one). */
+ALWAYS_INLINE void tile_dots(int TYPE, int NB, const uint8_t *p, const int16_t *const *x,
+                             __m256i (*dot)[2]) {
+    const int t8 = TYPE == T_T8, steps = t8 ? 16 : 8;
+    const uint8_t *values = p + (t8 ? T8_Q : T4_Q);
     __m256i odd[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int i = 0; i < NB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16
-    for (int q = 0; q < 16; q++) {
-        if (q % 2 == 0) _mm_prefetch((const char *)p + T8_Q + 32 * q + 2048, _MM_HINT_T0);
-        __m256i v[2];
+    for (int k = 0; k < steps; k++) {
+        if (k % 2 == 0) _mm_prefetch((const char *)values + 32 * k + 2048, _MM_HINT_T0);
+        __m256i lo[2], hi[2]; /* T8: lo only */
         for (int h = 0; h < 2; h++) {
-            const __m128i *pair_q = (const __m128i *)(p + T8_Q + 32 * q + 16 * h);
-            v[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(pair_q));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(values + 32 * k + 16 * h));
+            if (t8) {
+                lo[h] = _mm256_cvtepi8_epi16(b);
+                continue;
+            }
+            const __m256i v = _mm256_cvtepu8_epi16(b);
+            lo[h] = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+            hi[h] = _mm256_srli_epi16(v, 4);
         }
         for (int i = 0; i < NB; i++) {
-            const __m256i xp = pair_of(x[i] + 2 * q);
+            const __m256i xl = pair_of(x[i] + 2 * k);
             for (int h = 0; h < 2; h++) {
-                const __m256i s = _mm256_madd_epi16(v[h], xp);
-                if (NB == 1 && q % 2)
+                __m256i s = _mm256_madd_epi16(lo[h], xl);
+                if (!t8)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(hi[h], pair_of(x[i] + 16 + 2 * k)));
+                if (NB == 1 && k % 2)
                     odd[h] = _mm256_add_epi32(odd[h], s);
                 else
                     dot[i][h] = _mm256_add_epi32(dot[i][h], s);
@@ -107,10 +89,7 @@ ALWAYS_INLINE void tile_rows(int TYPE, int NB, const uint8_t *tile, const xquant
         const int16_t *x[PASS_MAX];
         for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 32 * g;
         __m256i dot[PASS_MAX][2];
-        if (TYPE == T_T8)
-            t8_dots(NB, p, x, dot);
-        else
-            t4_dots(NB, p, x, dot);
+        tile_dots(TYPE, NB, p, x, dot);
         for (int h = 0; h < 2; h++) {
             const __m256 d = halves8(p + 16 * h);
             for (int i = 0; i < NB; i++) {
