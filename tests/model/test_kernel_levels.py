@@ -32,7 +32,9 @@ depends on what was computed (`kind`, the looser of the two sides'):
 - INT16_GEMM: quant_gemm on an AVX2 build (csrc/quant_gemm_i16.c) quantizes x per 32 values
   to int16 at most 16383 (half a step: 2^-15 of its 32's largest |x|): against any other kind,
   an output may move by 2^-15 of |W| @ (each x's 32's largest |x|) besides the other side's
-  rounding (2^-14 asserted in all, for either or both).
+  rounding (2^-14 asserted in all, for either or both). For the K-quants it takes one scale per
+  run of 32s (GEMM_RUNS: Q4_K 256 values, Q5_K 128, Q6_K 64) at most 8191: 2^-14 of each
+  x's run's largest |x| (2^-13 asserted).
 - BF16_WEIGHTS: quant_gemm with bfloat16 x on a build with AVX512_BF16 decodes the weights to
   bfloat16 panels (vdpbf16ps), where the other builds keep them float32: each weight moves by
   up to 2^-9 of itself, so an output by up to 2^-9 of |x| @ |W| (2^-8 asserted), besides the
@@ -112,6 +114,7 @@ ENTRY_POINTS: dict[str, Callable[[q.QuantWeight, torch.Tensor], Result]] = {
 WEIGHTS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "int8": None,
            "Q4_1 (pieces)": 3, "Q8_0 (pieces)": 8, "Q4_K (pieces)": 12, "Q6_K (pieces)": 14}
 REPACKED = (q.R4, q.R8, q.T4, q.T8, q.T4K, q.T6K)
+GEMM_RUNS = {12: 8, 13: 4, 14: 2}  # the int16 GEMM's 32s per x scale, by ggml type (else 1)
 LEVELS = [level for level in nk.levels_buildable_here() if level != "portable"]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 REORDER_TOL = (K // 16) * 2.0**-23
@@ -162,12 +165,15 @@ def run(level_library):
 
 
 @functools.cache
-def x_rounding(weight: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """2^-14 of |W| @ (each x's 32's largest |x|): what x's int16 roundings may move an output."""
+def x_rounding(weight: str, rows: int, dtype: torch.dtype, gemm: bool) -> torch.Tensor:
+    """2^-14 of |W| @ (each x's 32's largest |x|): what x's int16 roundings may move an output;
+    where the int16 GEMM took a K-quant (`gemm`), 2^-13 of |W| @ (each x's run's largest |x|)."""
     with nk.using(nk.build_level("portable")):
         values = blocks(weight).dequantize(torch.float32)
-    x = x_rows(rows, dtype).double().abs().reshape(rows, K // 32, 32)
-    return 2.0**-14 * (x.amax(-1).repeat_interleave(32, -1) @ values.double().abs().T)
+    run = GEMM_RUNS.get(WEIGHTS[weight], 1) if gemm else 1
+    x = x_rows(rows, dtype).double().abs().reshape(rows, K // (32 * run), 32 * run)
+    scale = 2.0**-14 if run == 1 else 2.0**-13
+    return scale * (x.amax(-1).repeat_interleave(32 * run, -1) @ values.double().abs().T)
 
 
 def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: torch.Tensor | None,
@@ -200,7 +206,8 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
     mixed = kind != want_kind and {kind, want_kind} & INT16_KINDS  # x rounded on one side only
     # (or to other steps)
     assert_agrees(got, want, max(kinds) if kinds else REORDERED, prods,
-                  x_rounding(weight, rows, dtype) if mixed else None)
+                  x_rounding(weight, rows, dtype, INT16_GEMM in {kind, want_kind}) if mixed
+                  else None)
 
 
 @pytest.mark.parametrize("level", nk.levels_buildable_here())

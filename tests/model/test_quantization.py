@@ -12,7 +12,7 @@ float64 matmul. What each path must meet:
 - past rows_max rows, the panel GEMM (csrc/quant_gemm.c: weights decoded to float32,
   x not quantized): float32 agrees to 1e-5, bfloat16 (x and the output rounded) to 1e-2; on
   AVX2 builds its int16 panels (csrc/quant_gemm_i16.c: x quantized per 32 to at most 16383,
-  twice the integer path's step) to 3e-4.
+  twice the integer path's step; for the K-quants per 64-256 values to at most 8191) to 3e-4.
 Each is run on the native build and on the AVX2 (x86-64-v3) and portable (x86-64-v2) builds.
 """
 
@@ -148,6 +148,35 @@ def test_gemm_edges_long_rows_and_strided_x(kernels, ggml_type):
     want = x.double() @ reference(w).double().T
     assert rel_err(out[:, 9:62], want) < (3e-4 if q.gemm_int16(ggml_type) else 1e-5)
     assert (out[:, :9] == 7).all() and (out[:, 62:] == 7).all()  # nothing written beside it
+
+
+def extreme_blocks(ggml_type: int, rows: int, cols: int) -> q.QuantizedTensor:
+    """K-quant blocks whose every value is the type's largest in magnitude: Q4_K / Q5_K every
+    6-bit scale 63 and q 15 / 31 (mins 0), Q6_K every scale -128 and q -32; d = 2^-10."""
+    _, elems, nbytes = q.GGML_TYPES[ggml_type]
+    data = np.full((rows, cols // elems, nbytes), 0xFF, dtype=np.uint8)
+    half = np.array([2.0**-10], dtype=np.float16).view(np.uint8)
+    if ggml_type == q.Q6_K:
+        data[:, :, :192] = 0  # ql, qh: q = -32
+        data[:, :, 192:208] = 0x80  # scales: -128
+        data[:, :, 208:210] = half
+    else:
+        data[:, :, 0:2] = half
+        data[:, :, 2:4] = 0  # dmin
+    return q.QuantizedTensor(torch.from_numpy(data.reshape(rows, -1).copy()), ggml_type, cols)
+
+
+@pytest.mark.parametrize("ggml_type", [12, 13, 14], ids=["Q4_K", "Q5_K", "Q6_K"])
+def test_gemm_int32_sums_hold_the_largest_products(kernels, ggml_type):
+    """The int16 GEMM sums a run of 64-256 products in one int32 (csrc/quant_gemm_i16.c): with
+    every weight and every x at its largest, of one sign, no sum overflows (a run one step
+    longer would). Also through the tiles a build makes of them (T4K)."""
+    w = extreme_blocks(ggml_type, 32, 1024)
+    for x in (torch.ones(20, 1024), -torch.ones(20, 1024)):
+        for weight in (w, q.repack(w)):
+            out = torch.empty(20, 32)
+            q.gemm_into(out, x, weight)
+            assert rel_err(out, x.double() @ reference(w).double().T) < 1e-4, weight.ggml_type
 
 
 def test_same_type_pieces_merge_into_one_segment():

@@ -1,7 +1,8 @@
 /*
  * x's quantization per 32 values for the integer products (quant_kernels.c step 1): int16 (xd =
  * max|x| / 32767) or, with the opt-in int8 activations (quant_rows_int8.c), int8 (max|x| / 127);
- * the int16 GEMM's (quant_gemm_i16.c) at most 16383, so that 32 products fit an int32;
+ * the int16 GEMM's (quant_gemm_i16.c) at most 16383 per 32, or 8191 per run of 32s for the
+ * K-quants, so that a run's products fit an int32;
  * the SIMD path computes what the portable loop does, bit for bit.
  */
 #include <math.h>
@@ -22,23 +23,26 @@ static inline int hsum8_epi32(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* The 32 values of sub-block `sub` as the portable loop below computes them (the same max, the
- * same product rounded to nearest even): it ran once per product, serially, ~4 ns a value.
- * Into q (int16, qmax 32767) or, where q8 is given, q8 (int8, qmax 127). */
-static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, int8_t *q8,
-                           float qmax, float *amax_out, int *sum) {
-    __m256 v[4], amax8 = _mm256_setzero_ps();
+/* The largest |x| of sub-block `sub`. */
+static float amax_sub(const void *x, int64_t sub, int dtype) {
+    __m256 amax8 = _mm256_setzero_ps();
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int l = 0; l < 4; l++) {
-        v[l] = load8_x(x, 32 * sub + 8 * l, dtype);
-        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[l], abs_mask));
-    }
+    for (int l = 0; l < 4; l++)
+        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(load8_x(x, 32 * sub + 8 * l, dtype), abs_mask));
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* The 32 values of sub-block `sub` as the portable loop below computes them (the same product
+ * rounded to nearest even): it ran once per product, serially, ~4 ns a value. Into q (int16)
+ * or, where q8 is given, q8 (int8), each value times inv; sum: each half's sum. */
+static void quantize_sub(const void *x, int64_t sub, int dtype, int16_t *q, int8_t *q8,
+                         float inv_f, int *sum) {
+    const __m256 inv = _mm256_set1_ps(inv_f);
     __m256i qi[4], packed[2];
-    for (int l = 0; l < 4; l++) qi[l] = _mm256_cvtps_epi32(_mm256_mul_ps(v[l], inv));
+    for (int l = 0; l < 4; l++)
+        qi[l] = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, 32 * sub + 8 * l, dtype), inv));
     for (int h = 0; h < 2; h++) {
         packed[h] = _mm256_packs_epi32(qi[2 * h], qi[2 * h + 1]); /* 8-value lanes 0 2 1 3 */
         if (!q8)
@@ -51,54 +55,60 @@ static void quantize_x_sub(const void *x, int64_t sub, int dtype, int16_t *q, in
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         _mm256_storeu_si256((__m256i *)(q8 + 32 * sub), _mm256_permutevar8x32_epi32(bytes, order));
     }
-    *amax_out = amax;
+}
+#else
+static float amax_sub(const void *x, int64_t sub, int dtype) {
+    float amax = 0.f;
+    for (int64_t i = 32 * sub; i < 32 * sub + 32; i++)
+        amax = fmaxf(amax, fabsf(dtype == DT_F32 ? ((const float *)x)[i]
+                                                 : bf16_to_f32(((const uint16_t *)x)[i])));
+    return amax;
+}
+
+static void quantize_sub(const void *x, int64_t sub, int dtype, int16_t *q, int8_t *q8,
+                         float inv, int *sum) {
+    for (int l = 0; l < 32; l++) {
+        const int64_t i = 32 * sub + l;
+        const float v = dtype == DT_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+        const int qi = (int)nearbyintf(v * inv);
+        if (q8)
+            q8[i] = (int8_t)qi;
+        else
+            q[i] = (int16_t)qi;
+        sum[l / 16] += qi;
+    }
 }
 #endif
 
-/* One row of x per 32 values at most qmax: q (int16) or, where q8 is given, q8 (int8), with d,
- * xs (where given), xs32 as xquant_t's. */
+/* One row of x, `run` values of 32 a scale, at most qmax: q (int16) or, where q8 is given, q8
+ * (int8), with d, xs (where given), xs32 as xquant_t's (d repeated for each 32 of a run). */
 static void quantize_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
-                         float *xs, float *xs32, float qmax) {
-    for (int64_t sub = 0; sub < K / 32; sub++) {
-        int sum[2] = {0, 0};
+                         float *xs, float *xs32, float qmax, int run) {
+    for (int64_t s0 = 0; s0 < K / 32; s0 += run) {
         float amax = 0.f;
-#if QK_SIMD
-        quantize_x_sub(x, sub, dtype, q, q8, qmax, &amax, sum);
-#else
-        float v[32];
-        for (int l = 0; l < 32; l++) {
-            const int64_t i = 32 * sub + l;
-            v[l] = dtype == DT_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
-            amax = fmaxf(amax, fabsf(v[l]));
+        for (int64_t sub = s0; sub < s0 + run; sub++) amax = fmaxf(amax, amax_sub(x, sub, dtype));
+        const float inv = amax > 0.f ? qmax / amax : 0.f, scale = amax / qmax;
+        for (int64_t sub = s0; sub < s0 + run; sub++) {
+            int sum[2] = {0, 0};
+            quantize_sub(x, sub, dtype, q, q8, inv, sum);
+            d[sub] = scale;
+            if (xs != NULL) {
+                xs[2 * sub] = scale * (float)sum[0];
+                xs[2 * sub + 1] = scale * (float)sum[1];
+            }
+            xs32[sub] = scale * (float)(sum[0] + sum[1]);
         }
-        const float inv = amax > 0.f ? qmax / amax : 0.f;
-        for (int l = 0; l < 32; l++) {
-            const int qi = (int)nearbyintf(v[l] * inv);
-            if (q8)
-                q8[32 * sub + l] = (int8_t)qi;
-            else
-                q[32 * sub + l] = (int16_t)qi;
-            sum[l / 16] += qi;
-        }
-#endif
-        const float scale = amax / qmax;
-        d[sub] = scale;
-        if (xs != NULL) {
-            xs[2 * sub] = scale * (float)sum[0];
-            xs[2 * sub + 1] = scale * (float)sum[1];
-        }
-        xs32[sub] = scale * (float)(sum[0] + sum[1]);
     }
 }
 
 void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
                     float *xs, float *xs32) {
-    quantize_row(x, K, dtype, q, q8, d, xs, xs32, q8 ? 127.f : 32767.f);
+    quantize_row(x, K, dtype, q, q8, d, xs, xs32, q8 ? 127.f : 32767.f, 1);
 }
 
-void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, float *d,
-                        float *xs32) {
-    quantize_row(x, K, dtype, q, NULL, d, NULL, xs32, qmax);
+void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, int run,
+                        float *d, float *xs32) {
+    quantize_row(x, K, dtype, q, NULL, d, NULL, xs32, qmax, run);
 }
 
 int rows_take_unpack_x(int type, int64_t B) { return KQ_AVX2 && B == 1 && type == T_Q6_K; }

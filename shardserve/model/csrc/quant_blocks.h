@@ -415,8 +415,8 @@ int quant_rows_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_
 int gemm_i16_takes(int type);
 size_t gemm_i16_scratch_bytes(void);
 size_t gemm_i16_x_bytes(int64_t B, int64_t K);
-void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t B,
-                         int64_t K, const xquant_t *xq);
+void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int type, int64_t b,
+                         int64_t B, int64_t K, const xquant_t *xq);
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
                    int64_t K, int64_t n0, int64_t nt, void *scratch, float *otile);
 /* quant_tiles.c: whether this build computes every tile type on its SIMD path (AVX-512 BW/VL,
@@ -447,9 +447,10 @@ static inline void store_out(void *out, int64_t idx, float v, int out_dtype) {
  * given, q8 (int8), with d, xs, xs32 as xquant_t's. */
 void quantize_x_row(const void *x, int64_t K, int dtype, int16_t *q, int8_t *q8, float *d,
                     float *xs, float *xs32);
-/* The same into q (int16) at most qmax, with d and xs32 only (quant_gemm_i16.c). */
-void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, float *d,
-                        float *xs32);
+/* The same into q (int16) at most qmax with one scale per `run` 32s (d repeated for each), with
+ * d and xs32 only (quant_gemm_i16.c). */
+void quantize_x_row_i16(const void *x, int64_t K, int dtype, int16_t *q, float qmax, int run,
+                        float *d, float *xs32);
 /* Whether the row kernels take x of `B` rows in xquant_t's xu too (quant_rows.c's AVX2 Q6_K rows
  * at one row of x), and n int16 of q (a multiple of 32) into xu's order. */
 int rows_take_unpack_x(int type, int64_t B);

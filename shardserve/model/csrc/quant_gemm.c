@@ -355,7 +355,7 @@ int quant_gemm(void *out, int64_t out_stride, int out_dtype, const void *x, int6
     {
         if (i16) {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, b, B, K, &xq);
+            for (int64_t b = 0; b < B; b++) gemm_i16_quantize_x(x, x_stride, dtype, type, b, B, K, &xq);
         }
         if (xv != NULL) {
 #pragma omp for schedule(static)

@@ -23,6 +23,13 @@
  * and x's group as dx * qx with |qx| <= 16383, so that 32 products (|v qx| <= 4096 * 16383)
  * stay within an int32:
  *     out[b, n] = sum_g  dg dx[b, g] (sum_k qx v)  +  mg xs32[b, g]
+ * The K-quants' dg is one d per block of 256, so a run of R groups shares one int32 sum where x
+ * has one scale per run too, at most 8191 (Q4_K / T4K: R = 8, 256 x 945 x 8191 < 2^31; Q5_K
+ * R = 4, 128 x 1953 x 8191; Q6_K R = 2, 64 x 4096 x 8191): one float step per run instead of
+ * per 32, and the mins' FMAs in a loop of their own after the products (in the products' loop
+ * they held 8 more registers live: 1.2x the products' rate without them, int8_gemm_floor.c's
+ * loop shape on Zen 3). x per 256 at 8191 moves an output by 2^-14 of its 256's largest |x|
+ * (per 32 at 16383: 2^-15 of its 32's).
  *
  *   x (once per call): q per chunk of KC columns, per block of BR rows, per pair of columns,
  *     the BR rows' pairs as int32 words side by side: a micro-kernel's x is one stream
@@ -44,7 +51,13 @@
 #define RS (KC + 16) /* the decoded rows' stride (int16): 32 bytes past the chunk, so that the
                       * transposes' 8 rows do not share L1 sets */
 #define BR 3    /* rows of x per micro-kernel: 6 int32 and 6 float accumulators, 2 weights */
-#define XMAX 16383.f
+#define XMAX 16383.f    /* x per 32 */
+#define XMAX_RUN 8191.f /* x per run of 32s (run_groups > 1) */
+
+/* Groups of 32 columns one int32 sum takes (x's scale and the float step per run). */
+static int run_groups(int type) {
+    return type == T_Q4_K || type == T_T4K ? 8 : type == T_Q5_K ? 4 : type == T_Q6_K ? 2 : 1;
+}
 
 int gemm_i16_takes(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K ||
@@ -69,12 +82,14 @@ static inline int64_t x_pair_at(int64_t B, int64_t K, int64_t b, int64_t k0) {
     return k0 / 2 * BR * ((B + BR - 1) / BR) + b / BR * (kc / 2) * BR + b % BR;
 }
 
-void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t B,
-                         int64_t K, const xquant_t *xq) {
+void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int type, int64_t b,
+                         int64_t B, int64_t K, const xquant_t *xq) {
     const size_t es = dtype == DT_F32 ? 4 : 2;
+    const int run = run_groups(type);
     int16_t row[K];
-    quantize_x_row_i16((const char *)x + (size_t)(b * x_stride) * es, K, dtype, row, XMAX,
-                       xq->d + b * (K / 32), xq->xs32 + b * (K / 32));
+    quantize_x_row_i16((const char *)x + (size_t)(b * x_stride) * es, K, dtype, row,
+                       run > 1 ? XMAX_RUN : XMAX, run, xq->d + b * (K / 32),
+                       xq->xs32 + b * (K / 32));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int32_t *dst = (int32_t *)xq->q + x_pair_at(B, K, b, k0);
         for (int64_t p = 0; p < (K - k0 < KC ? K - k0 : KC) / 2; p++)
@@ -217,18 +232,19 @@ static void decode_t4k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_
     }
 }
 
-/* facc[r][h] (otile's rows) += x rows [mr] times the panel's kc columns; `mins`: add mg xs32. */
-ALWAYS_INLINE void micro(int mr, int mins, const int16_t *x, int64_t K, const float *dx,
+/* facc[r][h] (otile's rows) += x rows [mr] times the panel's kc columns, one int32 sum per run
+ * of groups; `mins`: then add mg xs32. */
+ALWAYS_INLINE void micro(int mr, int mins, int run, const int16_t *x, int64_t K, const float *dx,
                          const float *sx, const int32_t *panel, const float *dg, const float *mg,
                          int64_t kc, float *otile) {
     __m256 facc[BR][2];
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++) facc[r][h] = _mm256_loadu_ps(otile + r * NT + 8 * h);
-    for (int64_t g = 0; g < kc / 32; g++) {
+    for (int64_t g = 0; g < kc / 32; g += run) {
         __m256i acc[BR][2];
         for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int q = 0; q < 16; q++) {
+        for (int q = 0; q < 16 * run; q++) {
             const int32_t *p = panel + (16 * g + q) * NT;
             const __m256i w0 = _mm256_load_si256((const __m256i *)p);
             const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 8));
@@ -242,28 +258,41 @@ ALWAYS_INLINE void micro(int mr, int mins, const int16_t *x, int64_t K, const fl
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_load_ps(dg + NT * g + 8 * h);
-            const __m256 m = _mm256_load_ps(mg + NT * g + 8 * h);
             for (int r = 0; r < mr; r++) {
                 const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * (K / 32) + g]));
                 facc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), s, facc[r][h]);
-                if (mins)
-                    facc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * (K / 32) + g]),
-                                                 facc[r][h]);
             }
         }
     }
+    if (mins)
+        for (int64_t g = 0; g < kc / 32; g++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 m = _mm256_load_ps(mg + NT * g + 8 * h);
+                for (int r = 0; r < mr; r++)
+                    facc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * (K / 32) + g]),
+                                                 facc[r][h]);
+            }
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(otile + r * NT + 8 * h, facc[r][h]);
 }
 
-static void micro_any(int mr, int mins, const int16_t *x, int64_t K, const float *dx,
+/* micro with its row count, mins and run as constants (the types' combinations). */
+static void micro_any(int mr, int type, const int16_t *x, int64_t K, const float *dx,
                       const float *sx, const int32_t *panel, const float *dg, const float *mg,
                       int64_t kc, float *otile) {
-#define MICRO(MR, MINS) micro(MR, MINS, x, K, dx, sx, panel, dg, mg, kc, otile)
-    if (mins) {
-        if (mr == 1) MICRO(1, 1); else if (mr == 2) MICRO(2, 1); else MICRO(BR, 1);
-    } else {
-        if (mr == 1) MICRO(1, 0); else if (mr == 2) MICRO(2, 0); else MICRO(BR, 0);
+#define MICRO(MINS, RUN)                                                                      \
+    do {                                                                                     \
+        if (mr == 1) micro(1, MINS, RUN, x, K, dx, sx, panel, dg, mg, kc, otile);            \
+        else if (mr == 2) micro(2, MINS, RUN, x, K, dx, sx, panel, dg, mg, kc, otile);       \
+        else micro(BR, MINS, RUN, x, K, dx, sx, panel, dg, mg, kc, otile);                   \
+    } while (0)
+    switch (run_groups(type)) {
+    case 8: MICRO(1, 8); break; /* Q4_K, T4K */
+    case 4: MICRO(1, 4); break; /* Q5_K */
+    case 2: MICRO(0, 2); break; /* Q6_K */
+    default:
+        if (type == T_Q4_1 || type == T_T4) MICRO(1, 1);
+        else MICRO(0, 1); /* Q4_0, Q8_0, T8 */
     }
 #undef MICRO
 }
@@ -288,8 +317,6 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     float *dg = (float *)(panel + NT * KC / 2), *mg = dg + NT * KC / 32;
     int16_t *rows = (int16_t *)(mg + NT * KC / 32);
     const int kquant = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-    const int mins = type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || type == T_T4 ||
-                     type == T_T4K;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
@@ -304,7 +331,7 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
             panel_pairs(rows, nt, kc, dg, mg, panel);
         }
         for (int64_t b = 0; b < B; b += BR)
-            micro_any((int)(B - b < BR ? B - b : BR), mins,
+            micro_any((int)(B - b < BR ? B - b : BR), type,
                       xq->q + 2 * x_pair_at(B, K, b, k0), K,
                       xq->d + b * (K / 32) + k0 / 32, xq->xs32 + b * (K / 32) + k0 / 32, panel,
                       dg, mg, kc, otile + b * NT);
@@ -323,9 +350,9 @@ size_t gemm_i16_x_bytes(int64_t B, int64_t K) {
     return 0;
 }
 
-void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int64_t b, int64_t B,
-                         int64_t K, const xquant_t *xq) {
-    (void)x, (void)x_stride, (void)dtype, (void)b, (void)B, (void)K, (void)xq;
+void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int type, int64_t b,
+                         int64_t B, int64_t K, const xquant_t *xq) {
+    (void)x, (void)x_stride, (void)dtype, (void)type, (void)b, (void)B, (void)K, (void)xq;
 }
 
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
