@@ -5,9 +5,10 @@ and round (so its resident memory is its own and sides never share RAM):
 
 Prints one JSON line: rss_mb (VmRSS of this process and its children right after LLM(...)
 returned), peak_mb (their VmHWM at the end, after every measurement), load_s (LLM(...)
-construction), pp (prompt tok/s), tg (batch-1 tok/s from a one-token prompt) and
-decode {B: tok/s}. The environment (SHARDSERVE_ISA, SHARDSERVE_NUM_THREADS,
-SHARDSERVE_QUANT_DENSE_BATCHES) is set by the parent.
+construction), pp (prompt tok/s of one pp-token prompt, after a warm-up prompt of that length as
+llama-bench runs one), tg (batch-1 tok/s from a one-token prompt) and decode {B: tok/s}. The
+environment (SHARDSERVE_ISA, SHARDSERVE_NUM_THREADS, SHARDSERVE_QUANT_DENSE_BATCHES) is set by
+the parent.
 
 How decode at batch B is timed, to match llama-batched-bench's S_TG (B x ntg / T_TG, where T_TG
 covers ntg decode steps of B tokens after a prefill of B x npp): B distinct prompts of npp random
@@ -92,6 +93,7 @@ def main() -> None:
     run(prompts(2, 16), 4)  # warm-up: the kernels' first calls
     run(prompts(most, 8), 2)
     result: dict = {"rss_mb": rss, "load_s": load_s, "decode": {}, "first_spread": {}}
+    run(prompts(1, pp), 1)  # a warm-up prefill of pp tokens, as llama-bench's own warm-up run
     t0 = time.perf_counter()
     run(prompts(1, pp), 1)
     result["pp"] = pp / (time.perf_counter() - t0)
