@@ -15,6 +15,8 @@
  *   i8-avx2-32  the same with the float step per 32 columns
  *   i16-avx2    int16 x, int16 panel, vpmaddwd + vpaddd, no scales   (the int16 rows' precision)
  *   i16-avx2-32 the same with the float step per 32 columns
+ *   i16-avx2-256 the same with the float step per 256 and the mins per 32 after the products
+ *               (the engine's K-quant GEMM, quant_gemm_i16.c)
  *   i16-4x16, i16-6x16 (-32)  the same products, 4 or 6 rows of x a pass, x broadcast from memory
  *   i16-6x8, i16-12x8 (-32)   6 or 12 rows against one panel vector kept in a register
  *   i16-vnni    int16 x and panel, vpdpwssd (AVX-512 VNNI), no scales (the tiles' precision)
@@ -146,6 +148,49 @@ static void i16_avx2(bufs *u, int scaled) {
                 for (int v = 0; v < 2; v++)
                     _mm256_storeu_ps(u->out + (b + r) * NT + h + 8 * v,
                                      _mm256_add_ps(accf[r][v], _mm256_cvtepi32_ps(acc[r][v])));
+        }
+}
+
+/* i16_avx2's products as the engine's K-quant GEMM runs them (quant_gemm_i16.c): one int32 sum
+ * per 256 columns (x with one scale per 256), its float step, and the mins' FMAs per 32 in a
+ * loop of their own after the products (in the products' loop they cost ~1.2x here). */
+static void i16_avx2_256(bufs *u, int unused) {
+    (void)unused;
+    for (int b = 0; b < B; b += 3)
+        for (int h = 0; h < NT; h += 16) {
+            __m256 accf[3][2];
+            for (int r = 0; r < 3; r++) accf[r][0] = accf[r][1] = _mm256_setzero_ps();
+            for (int g0 = 0; g0 < K / 32; g0 += 8) {
+                __m256i acc[3][2];
+                for (int r = 0; r < 3; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+                for (int q = 0; q < 16 * 8; q++) {
+                    const int16_t *p = (const int16_t *)u->ph + (g0 * 16 + q) * NT * 2 + 2 * h;
+                    const __m256i w0 = _mm256_load_si256((const __m256i *)p);
+                    const __m256i w1 = _mm256_load_si256((const __m256i *)(p + 16));
+                    for (int r = 0; r < 3; r++) {
+                        int32_t xw;
+                        memcpy(&xw, u->xh + (b + r) * K + 32 * g0 + 2 * q, 4);
+                        const __m256i xb = _mm256_set1_epi32(xw);
+                        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
+                        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
+                    }
+                }
+                for (int v = 0; v < 2; v++) {
+                    const __m256 dw = _mm256_loadu_ps(u->dw + g0 * NT + h + 8 * v);
+                    for (int r = 0; r < 3; r++)
+                        accf[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]),
+                                                     _mm256_mul_ps(dw, _mm256_set1_ps(u->dx[(b + r) * (K / 32) + g0])),
+                                                     accf[r][v]);
+                }
+            }
+            for (int g = 0; g < K / 32; g++)
+                for (int v = 0; v < 2; v++) {
+                    const __m256 mw = _mm256_loadu_ps(u->mw + g * NT + h + 8 * v);
+                    for (int r = 0; r < 3; r++)
+                        accf[r][v] = _mm256_fmadd_ps(mw, _mm256_set1_ps(u->sx[(b + r) * (K / 32) + g]), accf[r][v]);
+                }
+            for (int r = 0; r < 3; r++)
+                for (int v = 0; v < 2; v++) _mm256_storeu_ps(u->out + (b + r) * NT + h + 8 * v, accf[r][v]);
         }
 }
 
@@ -349,6 +394,7 @@ int main(void) {
     measure("i8-avx2-32", i8_avx2, 1);
     measure("i16-avx2", i16_avx2, 0);
     measure("i16-avx2-32", i16_avx2, 1);
+    measure("i16-avx2-256", i16_avx2_256, 0);
     measure("i16-4x16", i16_rows4, 0);
     measure("i16-4x16-32", i16_rows4, 1);
     measure("i16-6x16", i16_rows6, 0);
