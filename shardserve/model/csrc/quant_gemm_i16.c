@@ -48,7 +48,8 @@
 #if QK_SIMD && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512F__)
 #define NT 16   /* weight rows per tile: quant_gemm.c's NT on AVX2 */
 #define KC 512 /* columns per chunk: a 16 KB panel */
-#define RS (KC + 16) /* the decoded rows' stride (int16): 32 bytes past the chunk, so that the
+#define SL 256   /* columns of the decoded rows at a time: 8 KB that stay in L1 */
+#define RS (SL + 16) /* the decoded rows' stride (int16): 32 bytes past the slice, so that the
                       * transposes' 8 rows do not share L1 sets */
 #define BR 3    /* rows of x per micro-kernel: 6 int32 and 6 float accumulators, 2 weights */
 #define XMAX 16383.f    /* x per 32 */
@@ -297,17 +298,58 @@ static void micro_any(int mr, int type, const int16_t *x, int64_t K, const float
 #undef MICRO
 }
 
-/* The decoded rows [16][kc] (rows past nt zeroed here) turned into int32 pairs [kc / 2][16]. */
-static void panel_pairs(int16_t *rows, int64_t nt, int64_t kc, float *dg, float *mg,
+/* The decoded rows [16][sl] (rows past nt zeroed here) turned into int32 pairs [sl / 2][16]. */
+static void panel_pairs(int16_t *rows, int64_t nt, int64_t sl, float *dg, float *mg,
                         int32_t *panel) {
     for (int64_t c = nt; c < NT; c++) {
-        memset(rows + c * RS, 0, sizeof(int16_t) * (size_t)kc);
-        for (int64_t g = 0; g < kc / 32; g++) dg[NT * g + c] = mg[NT * g + c] = 0.f;
+        memset(rows + c * RS, 0, sizeof(int16_t) * (size_t)sl);
+        for (int64_t g = 0; g < sl / 32; g++) dg[NT * g + c] = mg[NT * g + c] = 0.f;
     }
-    for (int64_t k = 0; k < kc; k += 16)
+    for (int64_t k = 0; k < sl; k += 16)
         for (int64_t c = 0; c < NT; c += 8)
             transpose8x8_ps((const float *)(rows + c * RS + k), RS / 2,
                             (float *)(panel + k / 2 * NT + c), NT);
+}
+
+/* One byte of every cache line of the nt rows' blocks of columns [k0, k0 + kc), loaded: the
+ * rows are 16 streams far apart, visited a chunk each in turn with micro-kernels between, that
+ * the hardware prefetcher does not follow. The decode's loads came one miss at a time (57% of
+ * its perf samples on each block's first load, Q6_K at 32 rows of x, Zen 3); these independent
+ * loads overlap. (prefetcht0 / prefetcht1 of the same lines, burst or spread over the micro-
+ * kernels, changed nothing there: 1.00x.) */
+static void touch_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nt, int64_t k0,
+                       int64_t kc) {
+    const int64_t per = type == T_Q6_K   ? 210
+                        : type == T_Q5_K ? 176
+                        : type == T_Q4_K ? 144
+                        : type == T_Q8_0 ? 34
+                        : type == T_Q4_1 ? 20
+                                         : 18;
+    const int64_t elems = per >= 144 ? 256 : 32, from = k0 / elems * per,
+                  bytes = (kc + elems - 1) / elems * per;
+    uint32_t acc = 0;
+    for (int64_t c = 0; c < nt; c++)
+        for (int64_t o = 0; o < bytes; o += 64) acc += w[c * row_bytes + from + o];
+    __asm__ volatile("" : : "r"(acc)); /* keeps the loads */
+}
+
+/* The file's blocks of the tile's nt rows, columns [k0, k0 + kc), into the panel, SL columns at
+ * a time. Why slices: the whole chunk's rows (16 KB) were written past L1, which the panel and
+ * x's chunk fill, and the decode stalled on those stores (perf, Q6_K at 32 rows of x, Zen 3:
+ * ~40% of the GEMM; a second decode of the same chunk right after took a fifth of the time). */
+static void decode_rows_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t nt,
+                              int64_t k0, int64_t kc, int16_t *rows, int32_t *panel, float *dg,
+                              float *mg) {
+    const int kquant = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+    touch_rows(type, w, row_bytes, nt, k0, kc);
+    for (int64_t s0 = 0; s0 < kc; s0 += SL) {
+        const int64_t sl = kc - s0 < SL ? kc - s0 : SL;
+        float *sdg = dg + NT * (s0 / 32), *smg = mg + NT * (s0 / 32);
+        for (int64_t c = 0; c < nt; c++)
+            (kquant ? decode_k : decode_32)(type, w + c * row_bytes, k0 + s0, sl, rows + c * RS,
+                                            sdg + c, smg + c);
+        panel_pairs(rows, nt, sl, sdg, smg, panel + s0 / 2 * NT);
+    }
 }
 
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
@@ -316,7 +358,6 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     int32_t *panel = (int32_t *)base; /* 32-byte aligned: the micro-kernel's loads */
     float *dg = (float *)(panel + NT * KC / 2), *mg = dg + NT * KC / 32;
     int16_t *rows = (int16_t *)(mg + NT * KC / 32);
-    const int kquant = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
@@ -325,10 +366,8 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
         } else if (type == T_T4 || type == T_T8) {
             decode_tile_panel(type, w + n0 * row_bytes, k0, kc, panel, dg, mg);
         } else {
-            for (int64_t c = 0; c < nt; c++)
-                (kquant ? decode_k : decode_32)(type, w + (n0 + c) * row_bytes, k0, kc,
-                                                rows + c * RS, dg + c, mg + c);
-            panel_pairs(rows, nt, kc, dg, mg, panel);
+            decode_rows_panel(type, w + n0 * row_bytes, row_bytes, nt, k0, kc, rows, panel, dg,
+                              mg);
         }
         for (int64_t b = 0; b < B; b += BR)
             micro_any((int)(B - b < BR ? B - b : BR), type,
