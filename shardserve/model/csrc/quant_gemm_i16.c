@@ -319,14 +319,9 @@ static void panel_pairs(int16_t *rows, int64_t nt, int64_t sl, float *dg, float 
  * kernels, changed nothing there: 1.00x.) */
 static void touch_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nt, int64_t k0,
                        int64_t kc) {
-    const int64_t per = type == T_Q6_K   ? 210
-                        : type == T_Q5_K ? 176
-                        : type == T_Q4_K ? 144
-                        : type == T_Q8_0 ? 34
-                        : type == T_Q4_1 ? 20
-                                         : 18;
-    const int64_t elems = per >= 144 ? 256 : 32, from = k0 / elems * per,
-                  bytes = (kc + elems - 1) / elems * per;
+    int elems, per;
+    block_shape(type, &elems, &per);
+    const int64_t from = k0 / elems * per, bytes = (kc + elems - 1) / elems * per;
     uint32_t acc = 0;
     for (int64_t c = 0; c < nt; c++)
         for (int64_t o = 0; o < bytes; o += 64) acc += w[c * row_bytes + from + o];
@@ -334,9 +329,9 @@ static void touch_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nt
 }
 
 /* The file's blocks of the tile's nt rows, columns [k0, k0 + kc), into the panel, SL columns at
- * a time. Why slices: the whole chunk's rows (16 KB) were written past L1, which the panel and
- * x's chunk fill, and the decode stalled on those stores (perf, Q6_K at 32 rows of x, Zen 3:
- * ~40% of the GEMM; a second decode of the same chunk right after took a fifth of the time). */
+ * a time: the decoded rows stay in L1, where the whole chunk's (16 KB) went out beside the
+ * panel and x's chunk (perf, Q6_K at 32 rows of x, Zen 3: the decode's share of the GEMM
+ * 0.66 -> 0.53 of the micro-kernels', before touch_rows took most of the rest). */
 static void decode_rows_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t nt,
                               int64_t k0, int64_t kc, int16_t *rows, int32_t *panel, float *dg,
                               float *mg) {
