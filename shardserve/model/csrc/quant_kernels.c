@@ -242,16 +242,31 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         (IS_TILED(type) && N % 16))
         return -2;
     const int int8 = quant_int8_takes(type); /* else int16 */
-    xquant_t xq = {int8 ? NULL : malloc(sizeof(int16_t) * (size_t)(B * K)),
-                   malloc(sizeof(float) * (size_t)(B * (K / 32))),
-                   malloc(sizeof(float) * (size_t)(B * (K / 16))),
-                   malloc(sizeof(float) * (size_t)(B * (K / 32))),
-                   int8 ? malloc((size_t)(B * K)) : NULL};
-    int rc = 0;
-    if (!(xq.q || xq.q8) || !xq.d || !xq.xs || !xq.xs32) {
-        rc = -1;
-        goto done;
+#if QK_SIMD
+    const int unpack = !int8 && rows_take_unpack_x(type, B);
+#else
+    const int unpack = 0;
+#endif
+    /* x's quantized parts in one allocation (a decode step makes four products a layer, and
+     * five allocations a product showed in its profile), each part 64-byte aligned. */
+    const size_t parts[6] = {int8 ? 0 : sizeof(int16_t) * (size_t)(B * K),
+                             sizeof(float) * (size_t)(B * (K / 32)),
+                             sizeof(float) * (size_t)(B * (K / 16)),
+                             sizeof(float) * (size_t)(B * (K / 32)),
+                             int8 ? (size_t)(B * K) : 0,
+                             unpack ? sizeof(int16_t) * (size_t)K : 0};
+    size_t offs[6], total = 0;
+    for (int i = 0; i < 6; i++) {
+        offs[i] = total;
+        total += (parts[i] + 63) / 64 * 64;
     }
+    char *xbuf = aligned_alloc(64, total > 0 ? total : 64);
+    if (xbuf == NULL) return -1;
+    xquant_t xq = {int8 ? NULL : (int16_t *)(xbuf + offs[0]), (float *)(xbuf + offs[1]),
+                   (float *)(xbuf + offs[2]), (float *)(xbuf + offs[3]),
+                   int8 ? (int8_t *)(xbuf + offs[4]) : NULL,
+                   unpack ? (int16_t *)(xbuf + offs[5]) : NULL};
+    int rc = 0;
     const size_t esize = dtype == DT_F32 ? 4 : 2;
     for (int64_t b = 0; b < B; b++) {
         const void *xb = (const char *)x + (size_t)(b * x_stride) * esize;
@@ -261,14 +276,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     }
     const int threads = B * N * K >= QPARALLEL_MIN ? num_threads : 1;
 #if QK_SIMD
-    if (!int8 && rows_take_unpack_x(type, B)) {
-        xq.xu = malloc(sizeof(int16_t) * (size_t)K);
-        if (!xq.xu) {
-            rc = -1;
-            goto done;
-        }
-        unpack_order_x(xq.q, K, xq.xu);
-    }
+    if (unpack) unpack_order_x(xq.q, K, xq.xu);
     const rows_fn *int8_fns = int8 ? int8_row_fns(type) : NULL;
     if (int8_fns != NULL) {
         run_rows(int8_fns, w, row_bytes, &xq, B, N, K, out, out_stride, out_dtype, threads);
@@ -294,12 +302,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
     }
     free_rows(rows, threads);
 done:
-    free(xq.xu);
-    free(xq.q8);
-    free(xq.q);
-    free(xq.d);
-    free(xq.xs);
-    free(xq.xs32);
+    free(xbuf);
     return rc;
 }
 
