@@ -319,15 +319,42 @@ def test_a_report_names_the_instruction_sets():
     assert kernel_levels.describe([]) == "plain C (no AVX2)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("level", nk.levels_buildable_here())
-def test_every_level_silu_mul_agrees_with_torch(level_library, level):
-    """The SwiGLU activation on each level (cpu_kernels.c: the portable expf, AVX2's exp8 for
-    float32, AVX-512's exp16) within float32 rounding of torch's, the exps' clamps and both
-    vector widths' tails (1544 = 96 x 16 + 8) included."""
+def test_every_level_silu_mul_agrees_with_torch(level_library, level, dtype):
+    """The SwiGLU activation on each level (cpu_kernels.c: the portable expf, AVX2's exp8,
+    AVX-512's exp16) within float32 rounding of torch's (bfloat16: its rounding of silu, then
+    of the product, as HF's bf16 ops round), the exps' clamps and both vector widths' tails
+    (1544 = 96 x 16 + 8) included."""
     gen = torch.Generator().manual_seed(3)
     gate_up = 4 * torch.randn(3, 2 * 1544, generator=gen)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate_up = gate_up.to(dtype)
     gate, up = gate_up.split(1544, dim=-1)
     with nk.using(level_library(level)):
         got = nk.silu_mul(gate_up)
-    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", nk.levels_buildable_here())
+def test_every_level_rms_norm_agrees_with_torch(level_library, level, dtype):
+    """RMSNorm with the residual add on each level (the portable row, AVX2's and AVX-512's
+    lanes: 576 = 36 x 16, and 40 = 5 x 8, which AVX-512 leaves to the portable row), within
+    the rounding of HF's float32 steps; the residual is written back rounded to dtype."""
+    gen = torch.Generator().manual_seed(4)
+    for hidden in (576, 40):
+        x = torch.randn(3, hidden, generator=gen).to(dtype)
+        residual = torch.randn(3, hidden, generator=gen).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        summed = (x.float() + residual.float()).to(dtype)
+        v = summed.float()
+        normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        expected = weight * normed
+        res = residual.clone()
+        with nk.using(level_library(level)):
+            got = nk.rms_norm(x, weight, 1e-5, res)
+        tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(res, summed, rtol=0, atol=0)
+        torch.testing.assert_close(got, expected, **tol)
