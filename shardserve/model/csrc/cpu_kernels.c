@@ -436,29 +436,44 @@ static void rms_norm_row_avx2(void *out, const void *x, void *residual, const vo
 }
 #endif
 
+/* Row t of rms_norm on this build's widest lanes. */
+static void rms_norm_at(void *out, const void *x, int64_t x_stride, void *residual,
+                        const void *weight, int64_t t, int64_t N, float eps, int dtype,
+                        float *buf) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
+    void *o = (char *)out + (size_t)(t * N) * esize;
+    const void *xr = (const char *)x + (size_t)(t * x_stride) * esize;
+    void *res = residual ? (char *)residual + (size_t)(t * N) * esize : NULL;
+#if HAVE_AVX512
+    if (N % 16 == 0) {
+        rms_norm_row_avx512(o, xr, res, weight, N, eps, dtype, buf);
+        return;
+    }
+#elif HAVE_AVX2_NORM
+    if (N % 8 == 0) {
+        rms_norm_row_avx2(o, xr, res, weight, N, eps, dtype, buf);
+        return;
+    }
+#endif
+    rms_norm_row(o, xr, res, weight, N, eps, dtype, buf);
+}
+
+/* Below PARALLEL_MIN this and the kernels below run their rows without entering OpenMP at
+ * all: a parallel region with a false `if` still costs ~0.4 us (Zen 3), and a batch-1 decode
+ * step makes five such calls a layer. */
 int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const void *weight,
              int64_t T, int64_t N, float eps, int dtype, int num_threads) {
-    const size_t esize = dtype == DT_F32 ? 4 : 2;
-    float *scratch = malloc(sizeof(float) * (size_t)(N * num_threads));
+    const int parallel = T * N >= PARALLEL_MIN && num_threads > 1;
+    float *scratch = malloc(sizeof(float) * (size_t)(N * (parallel ? num_threads : 1)));
     if (scratch == NULL) return -1;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * N >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        void *o = (char *)out + (size_t)(t * N) * esize;
-        const void *xr = (const char *)x + (size_t)(t * x_stride) * esize;
-        void *res = residual ? (char *)residual + (size_t)(t * N) * esize : NULL;
-        float *buf = scratch + N * omp_get_thread_num();
-#if HAVE_AVX512
-        if (N % 16 == 0) {
-            rms_norm_row_avx512(o, xr, res, weight, N, eps, dtype, buf);
-            continue;
-        }
-#elif HAVE_AVX2_NORM
-        if (N % 8 == 0) {
-            rms_norm_row_avx2(o, xr, res, weight, N, eps, dtype, buf);
-            continue;
-        }
-#endif
-        rms_norm_row(o, xr, res, weight, N, eps, dtype, buf);
+    if (!parallel) {
+        for (int64_t t = 0; t < T; t++)
+            rms_norm_at(out, x, x_stride, residual, weight, t, N, eps, dtype, scratch);
+    } else {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            rms_norm_at(out, x, x_stride, residual, weight, t, N, eps, dtype,
+                        scratch + N * omp_get_thread_num());
     }
     free(scratch);
     return 0;
@@ -470,33 +485,42 @@ int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const v
  *   (x0 * c - x1 * s, x0 * s + x1 * c),  (c, s) = table[p][i]  (float32 [P, D/2, 2], cos/sin)
  * computed in float32 and rounded once.
  */
-int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
-                 int64_t T, int64_t heads, int64_t D, int dtype, int num_threads) {
+static void rope_row(char *row, const float *cs, int64_t heads, int64_t D, int dtype) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (T * heads * D >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *cs = table + positions[t] * D;
-        for (int64_t h = 0; h < heads; h++) {
-            char *head = (char *)x + (size_t)(t * row_stride + h * D) * esize;
-            if (dtype == DT_F32) {
-                float *v = (float *)head;
-                for (int64_t i = 0; i < D; i += 2) {
-                    const float x0 = v[i], x1 = v[i + 1], c = cs[i], s = cs[i + 1];
-                    v[i] = x0 * c - x1 * s;
-                    v[i + 1] = x0 * s + x1 * c;
-                }
-            } else {
-                uint16_t *v = (uint16_t *)head;
-                for (int64_t i = 0; i < D; i += 2) {
-                    const float x0 = bf16_to_f32(v[i]), x1 = bf16_to_f32(v[i + 1]);
-                    const float c = cs[i], s = cs[i + 1];
-                    v[i] = f32_to_bf16(x0 * c - x1 * s);
-                    v[i + 1] = f32_to_bf16(x0 * s + x1 * c);
-                }
+    for (int64_t h = 0; h < heads; h++) {
+        char *head = row + (size_t)(h * D) * esize;
+        if (dtype == DT_F32) {
+            float *v = (float *)head;
+            for (int64_t i = 0; i < D; i += 2) {
+                const float x0 = v[i], x1 = v[i + 1], c = cs[i], s = cs[i + 1];
+                v[i] = x0 * c - x1 * s;
+                v[i + 1] = x0 * s + x1 * c;
+            }
+        } else {
+            uint16_t *v = (uint16_t *)head;
+            for (int64_t i = 0; i < D; i += 2) {
+                const float x0 = bf16_to_f32(v[i]), x1 = bf16_to_f32(v[i + 1]);
+                const float c = cs[i], s = cs[i + 1];
+                v[i] = f32_to_bf16(x0 * c - x1 * s);
+                v[i + 1] = f32_to_bf16(x0 * s + x1 * c);
             }
         }
     }
+}
+
+int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const float *table,
+                 int64_t T, int64_t heads, int64_t D, int dtype, int num_threads) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
+    if (T * heads * D < PARALLEL_MIN || num_threads < 2) {
+        for (int64_t t = 0; t < T; t++)
+            rope_row((char *)x + (size_t)(t * row_stride) * esize, table + positions[t] * D,
+                     heads, D, dtype);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        rope_row((char *)x + (size_t)(t * row_stride) * esize, table + positions[t] * D, heads,
+                 D, dtype);
     return 0;
 }
 
@@ -505,46 +529,56 @@ int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const fl
  * SwiGLU activation: out[t, i] = silu(gate[t, i]) * up[t, i] for the fused [T, 2 * I] gate_up
  * rows (gate first). bfloat16 rounds silu's result before the product, as HF's bf16 ops do.
  */
-int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads) {
+static void silu_row(char *o, const char *g, const char *u, int64_t I, int dtype) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const char *g = (const char *)gate_up + (size_t)(t * 2 * I) * esize;
-        const char *u = g + (size_t)I * esize;
-        char *o = (char *)out + (size_t)(t * I) * esize;
-        int64_t i = 0;
+    int64_t i = 0;
 #if HAVE_AVX512
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = load16(g + i * esize, dtype);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 act = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                       dtype);
-            store16(o + i * esize, _mm512_mul_ps(act, load16(u + i * esize, dtype)), dtype);
-        }
-#elif HAVE_AVX2_NORM
-        /* The scalar steps below 8 lanes at a time, exp8 for expf (float32, what AVX2 CPUs run,
-         * and bfloat16, rounded as below). At batch 1 the default model's 30 calls a step took
-         * 0.3 ms with expf, 5% of the step; 1536 elements 9.0 -> 2.2 us a call, 8192 43.8 ->
-         * 5.2 us (Zen 3, float32). */
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gx = load8_act(g + i * esize, dtype);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gx));
-            const __m256 act = round8_act(
-                _mm256_div_ps(gx, _mm256_add_ps(_mm256_set1_ps(1.f), e)), dtype);
-            store8_act(o + i * esize, _mm256_mul_ps(act, load8_act(u + i * esize, dtype)), dtype);
-        }
-#endif
-        for (; i < I; i++) {
-            float gv, uv;
-            load_f32(&gv, g + i * esize, 1, dtype);
-            load_f32(&uv, u + i * esize, 1, dtype);
-            float act = gv / (1.f + expf(-gv));
-            store_f32(o + i * esize, &act, 1, dtype);
-            load_f32(&act, o + i * esize, 1, dtype);
-            act *= uv;
-            store_f32(o + i * esize, &act, 1, dtype);
-        }
+    for (; i + 16 <= I; i += 16) {
+        const __m512 gv = load16(g + i * esize, dtype);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 act = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                   dtype);
+        store16(o + i * esize, _mm512_mul_ps(act, load16(u + i * esize, dtype)), dtype);
     }
+#elif HAVE_AVX2_NORM
+    /* The scalar steps below 8 lanes at a time, exp8 for expf (float32, what AVX2 CPUs run,
+     * and bfloat16, rounded as below). At batch 1 the default model's 30 calls a step took
+     * 0.3 ms with expf, 5% of the step; 1536 elements 9.0 -> 2.2 us a call, 8192 43.8 ->
+     * 5.2 us (Zen 3, float32). */
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gx = load8_act(g + i * esize, dtype);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gx));
+        const __m256 act = round8_act(
+            _mm256_div_ps(gx, _mm256_add_ps(_mm256_set1_ps(1.f), e)), dtype);
+        store8_act(o + i * esize, _mm256_mul_ps(act, load8_act(u + i * esize, dtype)), dtype);
+    }
+#endif
+    for (; i < I; i++) {
+        float gv, uv;
+        load_f32(&gv, g + i * esize, 1, dtype);
+        load_f32(&uv, u + i * esize, 1, dtype);
+        float act = gv / (1.f + expf(-gv));
+        store_f32(o + i * esize, &act, 1, dtype);
+        load_f32(&act, o + i * esize, 1, dtype);
+        act *= uv;
+        store_f32(o + i * esize, &act, 1, dtype);
+    }
+}
+
+/* Row t of silu_mul. */
+static void silu_at(void *out, const void *gate_up, int64_t t, int64_t I, int dtype) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2;
+    const char *g = (const char *)gate_up + (size_t)(t * 2 * I) * esize;
+    silu_row((char *)out + (size_t)(t * I) * esize, g, g + (size_t)I * esize, I, dtype);
+}
+
+int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads) {
+    if (T * I < PARALLEL_MIN || num_threads < 2) {
+        for (int64_t t = 0; t < T; t++) silu_at(out, gate_up, t, I, dtype);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) silu_at(out, gate_up, t, I, dtype);
     return 0;
 }
 
