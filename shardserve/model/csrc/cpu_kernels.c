@@ -407,9 +407,9 @@ ALWAYS_INLINE __m256 round8_act(__m256 x, int dtype) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
 }
 
-/* rms_norm_row for N % 8 == 0, same roundings, 8 lanes at a time. Zen 3, float32, 576
- * elements: the scalar row's sum of squares is one chain of dependent adds (~1.5 us a row:
- * 60 a decode step of the default model). */
+/* rms_norm_row for N % 8 == 0, same roundings, 8 lanes at a time (the scalar row's sum of
+ * squares is one chain of dependent adds). Zen 3, 576 elements, through ctypes: 3.29 -> 3.21
+ * us a call in float32, 3.72 -> 3.55 in bfloat16 (most of a call is the call). */
 static void rms_norm_row_avx2(void *out, const void *x, void *residual, const void *weight,
                               int64_t N, float eps, int dtype, float *buf) {
     const size_t esize = dtype == DT_F32 ? 4 : 2;
