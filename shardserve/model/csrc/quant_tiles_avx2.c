@@ -167,13 +167,33 @@ ALWAYS_INLINE void k4_scale_step(int NB, const uint8_t *p, int64_t bi, int j, __
     }
 }
 
-/* T4K (quant_tiles.c's layout, w = d sc_j q - dmin m_j): a tile's 16 outputs for NB rows. */
+/* T4K at one row of x: a pair of sub-blocks at a time from one widening of the nibbles, both
+ * float steps right after, in k4_rows's order (the same result). In k4_rows's loop the pair's
+ * sums had gone through the stack between its two sub-blocks: 1.07-1.10x at one row of x (Zen
+ * 3, 2 threads, random blocks from memory), the 1B's decode step 1.034x. Not unrolled: unrolled
+ * over the 4 pairs it ran 0.68x. */
+ALWAYS_INLINE void k4_row1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t K,
+                           __m256 *res) {
+    float acc[1][16] __attribute__((aligned(32))) = {{0}};
+    for (int64_t bi = 0; bi < K / 256; bi++) {
+        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
+        for (int jp = 0; jp < 4; jp++) {
+            __m256i pair[2][2];
+            k4_pair_dots(p + T4K_NIB + 512 * jp, xq->q + b0 * K + 256 * bi + 64 * jp, pair);
+            k4_scale_step(1, p, bi, 2 * jp, pair, xq, b0, K / 32, acc);
+            k4_scale_step(1, p, bi, 2 * jp + 1, pair + 1, xq, b0, K / 32, acc);
+        }
+    }
+    for (int h = 0; h < 2; h++) res[h] = _mm256_load_ps(acc[0] + 8 * h);
+}
+
+/* T4K (quant_tiles.c's layout, w = d sc_j q - dmin m_j): a tile's 16 outputs for NB rows (2-4;
+ * one: k4_row1). */
 ALWAYS_INLINE void k4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t K,
                            __m256 (*res)[2]) {
     /* At 2-4 rows of x the float sums wait in memory while the dots run (the registers are the
      * dots'; the asm makes the compiler keep them there). */
     float acc[K4_PASS_MAX][16] __attribute__((aligned(32))) = {{0}};
-    __m256i pair[2][2]; /* one row of x: the pair's sums, made at its even sub-block */
     for (int64_t bi = 0; bi < K / 256; bi++) {
         const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
         for (int j = 0; j < 8; j++) {
@@ -181,13 +201,8 @@ ALWAYS_INLINE void k4_rows(int NB, const uint8_t *tile, const xquant_t *xq, int6
             const int16_t *x[K4_PASS_MAX];
             for (int i = 0; i < NB; i++) x[i] = xq->q + (b0 + i) * K + 256 * bi + 64 * (j / 2);
             __m256i dot[K4_PASS_MAX][2];
-            if (NB > 1) {
-                __asm__ volatile("" : : "r"(acc) : "memory");
-                k4_dots(NB, j % 2, nib, x, dot);
-            } else {
-                if (j % 2 == 0) k4_pair_dots(nib, x[0], pair);
-                dot[0][0] = pair[j % 2][0], dot[0][1] = pair[j % 2][1];
-            }
+            __asm__ volatile("" : : "r"(acc) : "memory");
+            k4_dots(NB, j % 2, nib, x, dot);
             k4_scale_step(NB, p, bi, j, dot, xq, b0, K / 32, acc);
         }
     }
@@ -199,7 +214,9 @@ ALWAYS_INLINE void tile_pass(int TYPE, int NB, const uint8_t *tile, const xquant
                              int64_t b0, int64_t n0, int64_t K, void *out, int64_t out_stride,
                              int out_dtype) {
     __m256 res[K4_PASS_MAX][2];
-    if (TYPE == T_T4K)
+    if (TYPE == T_T4K && NB == 1)
+        k4_row1(tile, xq, b0, K, res[0]);
+    else if (TYPE == T_T4K)
         k4_rows(NB, tile, xq, b0, K, res);
     else
         tile_rows(TYPE, NB, tile, xq, b0, K, res);
