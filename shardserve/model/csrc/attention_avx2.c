@@ -20,13 +20,6 @@
 
 #define STEP 8
 
-/* 8 elements at p (float32 or bfloat16) as float32. */
-ALWAYS_INLINE __m256 load8(const void *p, int dtype) {
-    if (dtype == DT_F32) return _mm256_loadu_ps(p);
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
 /* [sum v[0], ..., sum v[7]]. */
 ALWAYS_INLINE __m256 hsum8x8_ps(const __m256 *v) {
     const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -56,7 +49,7 @@ ALWAYS_INLINE __m256 head_scores(const float *q, const char *k0, int64_t n, int6
         if (t < n) {
             const char *k = k0 + t * slot_bytes;
             for (int64_t d = 0; d < D; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d * esize, dtype), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8_act(k + d * esize, dtype), acc);
         }
         part[t] = acc;
     }
@@ -91,7 +84,7 @@ ALWAYS_INLINE void kv_values(float *acc, const float *p, const char *v0, int64_t
         __m256 a[G];
         for (int g = 0; g < G; g++) a[g] = _mm256_loadu_ps(acc + g * D + d);
         for (int64_t t = 0; t < n; t++) {
-            const __m256 v = load8(v0 + t * slot_bytes + d * esize, dtype);
+            const __m256 v = load8_act(v0 + t * slot_bytes + d * esize, dtype);
             for (int g = 0; g < G; g++)
                 a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * STEP + t]), v, a[g]);
         }

@@ -372,13 +372,6 @@ static void rms_norm_row_avx512(void *out, const void *x, void *residual, const 
 
 #if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_NORM 1
-/* 8 elements at p (float32 or bfloat16) as float32. */
-ALWAYS_INLINE __m256 load8_act(const void *p, int dtype) {
-    if (dtype == DT_F32) return _mm256_loadu_ps(p);
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
 /* 8 float32 as bfloat16 bits in 32-bit lanes, as f32_to_bf16 rounds them (NaN stays quiet). */
 ALWAYS_INLINE __m256i bf16_bits8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);

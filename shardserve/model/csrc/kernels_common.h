@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -37,6 +37,15 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+#if defined(__AVX2__)
+/* 8 activations at p (float32 or bfloat16) as float32. */
+ALWAYS_INLINE __m256 load8_act(const void *p, int dtype) {
+    if (dtype == DT_F32) return _mm256_loadu_ps(p);
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* e^x as 2^n * 2^f, |f| <= 1/2 (cpu_kernels.c's exp16 on 8 lanes; attention_avx2.c's softmax

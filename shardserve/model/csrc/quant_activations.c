@@ -12,9 +12,7 @@
 #if QK_SIMD
 /* x's elements [i, i + 8) as float32. */
 static inline __m256 load8_x(const void *x, int64_t i, int dtype) {
-    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)x + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return load8_act((const char *)x + i * (dtype == DT_F32 ? 4 : 2), dtype);
 }
 
 static inline int hsum8_epi32(__m256i v) {

@@ -260,7 +260,7 @@ int quant_matmul(void *out, int64_t out_stride, int out_dtype, const void *x, in
         offs[i] = total;
         total += (parts[i] + 63) / 64 * 64;
     }
-    char *xbuf = aligned_alloc(64, total > 0 ? total : 64);
+    char *xbuf = aligned_alloc(64, total); /* a multiple of 64, never 0 (K >= 32) */
     if (xbuf == NULL) return -1;
     xquant_t xq = {int8 ? NULL : (int16_t *)(xbuf + offs[0]), (float *)(xbuf + offs[1]),
                    (float *)(xbuf + offs[2]), (float *)(xbuf + offs[3]),
