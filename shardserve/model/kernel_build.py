@@ -48,6 +48,8 @@ ROWS_INT8_SOURCE = _CSRC / "quant_rows_int8.c"
 TILES_SOURCE = _CSRC / "quant_tiles.c"
 # And their AVX2 builds' own for T4 / T8 / T4K (16 rows in two vectors, no reductions).
 TILES_AVX2_SOURCE = _CSRC / "quant_tiles_avx2.c"
+# And the same for T6K (Q6_K's tiles), with the int16 GEMM's panels of them.
+TILES_K6_AVX2_SOURCE = _CSRC / "quant_tiles_k6_avx2.c"
 # And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
 TILE_PANELS_SOURCE = _CSRC / "quant_tile_panels.c"
 RETILE_SOURCE = _CSRC / "quant_retile.c"
@@ -72,7 +74,7 @@ DECODE_ATTENTION_SOURCE = _CSRC / "decode_attention.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
 LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE,
                   ROWS_REPACKED_SOURCE, ROWS_INT8_SOURCE, TILES_SOURCE, TILES_AVX2_SOURCE,
-                  TILE_PANELS_SOURCE,
+                  TILES_K6_AVX2_SOURCE, TILE_PANELS_SOURCE,
                   RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, GEMM_AMX_SOURCE, PANEL_SOURCE,
                   DECODE_SOURCE, LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE,
                   DECODE_ATTENTION_SOURCE)

@@ -66,8 +66,11 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
 # the rows still win at 8: 0.7x-0.95x). AVX2 builds' tiles (T4, T8, T4K; csrc/quant_tiles_avx2.c)
 # hand over to it past 8 too: T4K's rows at 8 / 12 / 16 / 32 rows of x took 0.76x / 1.01x /
-# 1.06x / 1.09x the GEMM's time (Zen 3, 2 threads, 1B shapes).
+# 1.06x / 1.09x the GEMM's time (Zen 3, 2 threads, 1B shapes). T6K's (quant_tiles_k6_avx2.c)
+# hand over from 3 rows: the GEMM took 0.65x / 0.53x their time at 1 / 2 rows, 0.98-0.99x at
+# 3, 0.81-1.05x at 4, 0.79-0.80x at 5 and 0.75x at 8 (same machine and shapes).
 ROWS_MAX_INT16_GEMM = 8
+ROWS_MAX_INT16_GEMM_T6K = 2
 ROWS_MAX_BF16 = 5
 ROWS_MAX_F32 = 8
 ROWS_MAX_F32_KQUANT = 32
@@ -86,7 +89,7 @@ _KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max w
 def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
     """The most rows of x whose product with a weight of this type takes the row kernels."""
     if gemm_int16(ggml_type):
-        return ROWS_MAX_INT16_GEMM
+        return ROWS_MAX_INT16_GEMM_T6K if ggml_type == T6K else ROWS_MAX_INT16_GEMM
     if x_dtype != torch.float32:
         if ggml_type in (T4K, T6K):
             return ROWS_MAX_AMX_KQUANT if gemm_amx() else ROWS_MAX_TILES_KQUANT
@@ -172,7 +175,7 @@ def available() -> bool:
 def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     """T4 for Q4_0 / Q4_1, T8 for Q8_0, T4K for Q4_K and T6K for Q6_K where `tiled` (the
     caller's pieces) and w's rows come in multiples of 16 and this build computes that tile
-    (AVX-512 every one, AVX2 T4, T8, T4K; SHARDSERVE_TILES=0: none); else R4 (cols a
+    (AVX-512 and AVX2 every one; SHARDSERVE_TILES=0: none); else R4 (cols a
     multiple of 64) and R8 where it computes those (AVX-512; the K-quants keep their layout);
     None to keep w's layout."""
     if w.ggml_type not in _TILE_OF:

@@ -103,8 +103,8 @@ def test_past_the_row_kernels_bit_identical(tiny_qwen2_dir: Path, dtype: torch.d
     """Steps of more rows than a weight's rows_max: the fused stack calls the panel GEMM for
     them (csrc/decode_layers.c), as the layer-by-layer path does. rows_max lowered to 2 (before
     loading: weights keep theirs), so the 5- and 3-row steps take it."""
-    for name in ("ROWS_MAX_INT16_GEMM", "ROWS_MAX_BF16", "ROWS_MAX_F32", "ROWS_MAX_F32_KQUANT",
-                 "ROWS_MAX_TILES", "ROWS_MAX_TILES_KQUANT"):
+    for name in ("ROWS_MAX_INT16_GEMM", "ROWS_MAX_INT16_GEMM_T6K", "ROWS_MAX_BF16", "ROWS_MAX_F32",
+                 "ROWS_MAX_F32_KQUANT", "ROWS_MAX_TILES", "ROWS_MAX_TILES_KQUANT"):
         monkeypatch.setattr(quantization, name, 2)
     model = load(tiny_qwen2_dir, dtype, "int8")
     assert model.model.layers[0].mlp.down_proj.qweight.rows_max(dtype) == 2

@@ -213,7 +213,7 @@ def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, r
 @pytest.mark.parametrize("level", nk.levels_buildable_here())
 def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library, level):
     """So the comparisons above cover every repacked layout wherever a level has it (AVX-512
-    every one; AVX2 levels Q4_0 / Q4_1's T4, Q8_0's T8 and Q4_K's T4K)."""
+    every one; AVX2 levels Q4_0 / Q4_1's T4, Q8_0's T8, Q4_K's T4K and Q6_K's T6K)."""
     lib = level_library(level)
     features = set(kernel_levels.isa_features(lib))
     assert bool(lib.quant_can_repack()) == ({"AVX512BW", "AVX512VL", "F16C"} <= features)
@@ -223,7 +223,8 @@ def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library,
     tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
              "Q6_K": q.T6K}
     rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
-    avx2_tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K}
+    avx2_tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
+                  "Q6_K": q.T6K}
     want = (tiles if lib.quant_can_tile() else avx2_tiles if avx2 else {}) \
         | (rows if lib.quant_can_repack() else {})
     repacked = {name: t for name, t in types.items() if t in REPACKED}
@@ -238,8 +239,8 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
     if lib.quant_can_tile():
         pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
         names: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces)
-    elif lib.quant_tile_takes(q.Q4_1):  # AVX2 levels: T4, T8 and T4K
-        names = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K")
+    elif lib.quant_tile_takes(q.Q4_1):  # AVX2 levels: T4, T8, T4K and T6K
+        names = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K")
     else:
         pytest.skip(f"{level} does not repack")
     for name in names:

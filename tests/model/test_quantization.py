@@ -116,8 +116,9 @@ def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype
     got = weight.matmul(x)
     assert got.dtype == dtype and got.shape == (rows, 48)
     want = x.double() @ reference(w).double().T
-    gemm = rows > q.rows_max(ggml_type, dtype)  # float32 panels, or int16 ones on AVX2 builds
-    int16_gemm = gemm and q.gemm_int16(ggml_type)  # x rounded at 16383: twice the rows' step
+    gemm = rows > weight.rows_max(dtype)  # float32 panels, or int16 ones on AVX2 builds
+    # x rounded at 16383: twice the rows' step (the type as loaded: a tile's own rows_max)
+    int16_gemm = gemm and q.gemm_int16(weight.segments[0][1].ggml_type)
     limit = 1e-2 if dtype == torch.bfloat16 else 3e-4 if int16_gemm else 1e-5 if gemm else 1e-4
     assert rel_err(got, want) < limit
 

@@ -36,7 +36,8 @@
  *   per tile of 16 weight rows (quant_gemm.c's threads), per chunk of KC columns:
  *     rows [16][KC] int16 <- each weight row decoded;   dg, mg [KC / 32][16]
  *     panel [KC / 2][16] int32 <- 8 x 8 transposes of rows (a pair of columns is one int32)
- *       (T4 / T8 / T4K tiles: the panel straight from the tile, no rows, no transposes)
+ *       (T4 / T8 / T4K / T6K tiles: the panel straight from the tile, no rows, no transposes;
+ *        T6K's in quant_tiles_k6_avx2.c, v and dg as Q6_K's)
  *     per BR rows of x, per pair of columns:  w0 w1 = panel[pair][0 .. 16)
  *         per row r:  acc[r][h] += vpmaddwd(w_h, x[r]'s pair broadcast)          (int32)
  *       per group of 32, per row:  facc[r][h] += cvt(acc[r][h]) * dg dx + mg xs32   (float)
@@ -57,12 +58,16 @@
 
 /* Groups of 32 columns one int32 sum takes (x's scale and the float step per run). */
 static int run_groups(int type) {
-    return type == T_Q4_K || type == T_T4K ? 8 : type == T_Q5_K ? 4 : type == T_Q6_K ? 2 : 1;
+    return type == T_Q4_K || type == T_T4K           ? 8
+           : type == T_Q5_K                          ? 4
+           : type == T_Q6_K || type == T_T6K         ? 2
+                                                     : 1;
 }
 
 int gemm_i16_takes(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K || type == T_T4 || type == T_T8 || type == T_T4K;
+           type == T_Q5_K || type == T_Q6_K || type == T_T4 || type == T_T8 || type == T_T4K ||
+           type == T_T6K;
 }
 
 size_t gemm_i16_scratch_bytes(void) {
@@ -356,14 +361,11 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        if (type == T_T4K) { /* n0 is a tile's first row (NT = 16), nt = 16 */
-            decode_t4k_panel(w + n0 * row_bytes, k0, kc, panel, dg, mg);
-        } else if (type == T_T4 || type == T_T8) {
-            decode_tile_panel(type, w + n0 * row_bytes, k0, kc, panel, dg, mg);
-        } else {
-            decode_rows_panel(type, w + n0 * row_bytes, row_bytes, nt, k0, kc, rows, panel, dg,
-                              mg);
-        }
+        const uint8_t *tile = w + n0 * row_bytes; /* tiles: n0 a tile's first row, nt 16 */
+        if (type == T_T4K) decode_t4k_panel(tile, k0, kc, panel, dg, mg);
+        else if (type == T_T6K) gemm_i16_t6k_panel(tile, k0, kc, panel, dg, mg);
+        else if (type == T_T4 || type == T_T8) decode_tile_panel(type, tile, k0, kc, panel, dg, mg);
+        else decode_rows_panel(type, tile, row_bytes, nt, k0, kc, rows, panel, dg, mg);
         for (int64_t b = 0; b < B; b += BR)
             micro_any((int)(B - b < BR ? B - b : BR), type,
                       xq->q + 2 * x_pair_at(B, K, b, k0), K,

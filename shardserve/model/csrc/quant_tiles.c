@@ -41,9 +41,9 @@
  * of x the float step is then one conversion and two FMAs for 16 weight rows together. Integer
  * sums per lane: 32 products of <= 128 * 32767, far inside int32.
  *
- * AVX-512 builds tile every type here; AVX2 builds T4, T8 and T4K (quant_tiles_avx2.c, their
- * int16 GEMM quant_gemm_i16.c); the others, and AVX2 handed a T6K, compute tiles through the row
- * decode below (the tests do). quant_tile_panels.c decodes tiles for the float GEMM.
+ * AVX-512 builds tile every type here; AVX2 builds too (quant_tiles_avx2.c and, for T6K,
+ * quant_tiles_k6_avx2.c; their int16 GEMM quant_gemm_i16.c); the others compute tiles through
+ * the row decode below (the tests do). quant_tile_panels.c decodes tiles for the float GEMM.
  */
 #include <omp.h>
 
@@ -376,8 +376,8 @@ int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant
     return 1;
 }
 #else
-/* Builds without AVX-512: AVX2 ones tile Q4_0 / Q4_1 / Q8_0 / Q4_K (quant_tiles_avx2.c), others
- * nothing. */
+/* Builds without AVX-512: AVX2 ones tile Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (quant_tiles_avx2.c),
+ * others nothing. */
 int quant_can_tile(void) { return 0; }
 
 int quant_tile_takes(int ggml_type) { return quant_tiles_avx2_takes(ggml_type); }

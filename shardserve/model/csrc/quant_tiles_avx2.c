@@ -1,7 +1,8 @@
 /*
  * T4 / T8 / T4K tiles (Q4_0 / Q4_1 / Q8_0 / Q4_K in tiles of 16 rows, quant_tiles.c draws the
  * layouts) on AVX2 builds without AVX-512: their product with up to 8 rows of x quantized to
- * int16 per 32 (past 8 quant_gemm_i16.c takes the tiles as its panels).
+ * int16 per 32 (past 8 quant_gemm_i16.c takes the tiles as its panels). T6K (Q6_K's tiles) is
+ * handed to quant_tiles_k6_avx2.c.
  *
  * Why: at one row of x the file layout needs a reduction per weight row: quant_rows_avx2.c's
  * strips fold 8 rows' products with six vphaddd per 32 columns, and with the scales gathered
@@ -247,12 +248,13 @@ PASS_FN(k4_pass4, T_T4K, 4)
 
 int quant_tiles_avx2_takes(int ggml_type) {
     return ggml_type == T_Q4_0 || ggml_type == T_Q4_1 || ggml_type == T_Q8_0 ||
-           ggml_type == T_Q4_K;
+           ggml_type == T_Q4_K || ggml_type == T_Q6_K;
 }
 
 /*
- * out = x @ W^T for W in T4 / T8 / T4K tiles (N a multiple of 16), B rows of x in passes of up
- * to PASS_MAX (T4K: K4_PASS_MAX); 0 for another type (the caller decodes it).
+ * out = x @ W^T for W in T4 / T8 / T4K / T6K tiles (N a multiple of 16), B rows of x in passes
+ * of up to PASS_MAX (T4K: K4_PASS_MAX; T6K: quant_tiles_k6_avx2.c's); 0 for another type (the
+ * caller decodes it).
  */
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
@@ -260,8 +262,12 @@ int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant
     static const pass_fn t4[] = {t4_pass1, t4_pass2}, t8[] = {t8_pass1, t8_pass2};
     static const pass_fn k4[] = {k4_pass1, k4_pass2, k4_pass3, k4_pass4};
     const pass_fn *fns = type == T_T4 ? t4 : type == T_T8 ? t8 : type == T_T4K ? k4 : NULL;
+    if (B <= 0) return fns != NULL || type == T_T6K;
+    if (type == T_T6K) {
+        quant_tiles_k6_avx2(w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);
+        return 1;
+    }
     if (fns == NULL) return 0;
-    if (B <= 0) return 1;
     /* Passes of equal rows (5 = 3 + 2, not 4 + 1): each pass re-reads the tile from L1. */
     const int64_t most = type == T_T4K ? K4_PASS_MAX : PASS_MAX;
     const int64_t passes = (B + most - 1) / most, per = (B + passes - 1) / passes;
