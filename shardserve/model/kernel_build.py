@@ -48,7 +48,7 @@ ROWS_INT8_SOURCE = _CSRC / "quant_rows_int8.c"
 TILES_SOURCE = _CSRC / "quant_tiles.c"
 # And their AVX2 builds' own for T4 / T8 / T4K (16 rows in two vectors, no reductions).
 TILES_AVX2_SOURCE = _CSRC / "quant_tiles_avx2.c"
-# And the same for T6K (Q6_K's tiles), with the int16 GEMM's panels of them.
+# And the same for T6K (Q6_K's tiles).
 TILES_K6_AVX2_SOURCE = _CSRC / "quant_tiles_k6_avx2.c"
 # And the GEMM's panels decoded from those tiles; and the load-time rewrite of blocks as tiles.
 TILE_PANELS_SOURCE = _CSRC / "quant_tile_panels.c"
@@ -57,6 +57,8 @@ RETILE_SOURCE = _CSRC / "quant_retile.c"
 GEMM_SOURCE = _CSRC / "quant_gemm.c"
 # And its int16 tiles on AVX2 builds (vpmaddwd, the sub-block scales folded into the panels).
 GEMM_I16_SOURCE = _CSRC / "quant_gemm_i16.c"
+# And its panels straight from the tiles (T4 / T8 / T4K / T6K).
+GEMM_I16_TILES_SOURCE = _CSRC / "quant_gemm_i16_tiles.c"
 # And its bfloat16 products on AMX where the CPU and the kernel allow (Sapphire Rapids on).
 GEMM_AMX_SOURCE = _CSRC / "quant_gemm_amx.c"
 # And the weight rows it decodes into its panels.
@@ -75,7 +77,8 @@ DECODE_ATTENTION_SOURCE = _CSRC / "decode_attention.c"
 LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURCE,
                   ROWS_REPACKED_SOURCE, ROWS_INT8_SOURCE, TILES_SOURCE, TILES_AVX2_SOURCE,
                   TILES_K6_AVX2_SOURCE, TILE_PANELS_SOURCE,
-                  RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, GEMM_AMX_SOURCE, PANEL_SOURCE,
+                  RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, GEMM_I16_TILES_SOURCE,
+                  GEMM_AMX_SOURCE, PANEL_SOURCE,
                   DECODE_SOURCE, LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE,
                   DECODE_ATTENTION_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with

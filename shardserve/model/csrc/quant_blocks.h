@@ -419,12 +419,15 @@ void gemm_i16_quantize_x(const void *x, int64_t x_stride, int dtype, int type, i
                          int64_t B, int64_t K, const xquant_t *xq);
 void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq, int64_t B,
                    int64_t K, int64_t n0, int64_t nt, void *scratch, float *otile);
+/* quant_gemm_i16_tiles.c: a tile's columns [k0, k0 + kc) as quant_gemm_i16.c's panel. */
+void gemm_i16_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel,
+                         float *dg, float *mg);
 /* quant_tiles.c: whether this build computes every tile type on its SIMD path (AVX-512 BW/VL,
  * F16C). */
 int quant_can_tile(void);
 /* quant_tiles.c: whether this build tiles weights of a ggml type at load (the AVX-512 builds
  * every tiled type; AVX2 builds Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, quant_tiles_avx2.c's); those
- * AVX2 kernels; and quant_tiles_k6_avx2.c's T6K product and int16 GEMM panel (AVX2 builds). */
+ * AVX2 kernels; and quant_tiles_k6_avx2.c's T6K product (AVX2 builds). */
 int quant_tile_takes(int ggml_type);
 int quant_tiles_avx2_takes(int ggml_type);
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
@@ -433,8 +436,6 @@ int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant
 void quant_tiles_k6_avx2(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t B,
                          int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
                          int threads);
-void gemm_i16_t6k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel, float *dg,
-                        float *mg);
 /* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
  * SIMD path for them. */
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

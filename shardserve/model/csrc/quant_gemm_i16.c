@@ -36,8 +36,8 @@
  *   per tile of 16 weight rows (quant_gemm.c's threads), per chunk of KC columns:
  *     rows [16][KC] int16 <- each weight row decoded;   dg, mg [KC / 32][16]
  *     panel [KC / 2][16] int32 <- 8 x 8 transposes of rows (a pair of columns is one int32)
- *       (T4 / T8 / T4K / T6K tiles: the panel straight from the tile, no rows, no transposes;
- *        T6K's in quant_tiles_k6_avx2.c, v and dg as Q6_K's)
+ *       (T4 / T8 / T4K / T6K tiles: the panel straight from the tile, no rows, no transposes:
+ *        quant_gemm_i16_tiles.c)
  *     per BR rows of x, per pair of columns:  w0 w1 = panel[pair][0 .. 16)
  *         per row r:  acc[r][h] += vpmaddwd(w_h, x[r]'s pair broadcast)          (int32)
  *       per group of 32, per row:  facc[r][h] += cvt(acc[r][h]) * dg dx + mg xs32   (float)
@@ -169,75 +169,6 @@ static void decode_k(int type, const uint8_t *row, int64_t k0, int64_t kc, int16
     }
 }
 
-/* T4 / T8 (quant_tiles_avx2.c): the tile of 16 rows at `tile`, columns [k0, k0 + kc), straight
- * into the panel: T4's chunk c of a sub-block widened is already 16 rows' pairs of columns
- * (2 c, 2 c + 1) (low nibbles) and (16 + 2 c, 17 + 2 c) (high), T8's pair c (2 c, 2 c + 1), so
- * no transposes. v = q, dg = d, mg = m (T8: 0). */
-static void decode_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t kc,
-                              int32_t *panel, float *dg, float *mg) {
-    const int t8 = type == T_T8;
-    for (int64_t g = 0; g < kc / 32; g++) {
-        const uint8_t *p = tile + (t8 ? T8_SUB_BYTES : T4_SUB_BYTES) * (k0 / 32 + g);
-        for (int h = 0; h < 2; h++) {
-            const __m128i *dh = (const __m128i *)(p + 16 * h);
-            const __m128i *mh = (const __m128i *)(p + 32 + 16 * h);
-            _mm256_store_ps(dg + NT * g + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(dh)));
-            _mm256_store_ps(mg + NT * g + 8 * h,
-                            t8 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128(mh)));
-        }
-        for (int c = 0; c < (t8 ? 16 : 8); c++)
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *chunk = p + (t8 ? T8_Q : T4_Q) + 32 * c + 16 * h;
-                const __m128i b = _mm_loadu_si128((const __m128i *)chunk);
-                if (t8) {
-                    _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
-                                       _mm256_cvtepi8_epi16(b));
-                    continue;
-                }
-                const __m256i v = _mm256_cvtepu8_epi16(b);
-                _mm256_store_si256((__m256i *)(panel + (16 * g + c) * NT + 8 * h),
-                                   _mm256_and_si256(v, _mm256_set1_epi16(0xF)));
-                _mm256_store_si256((__m256i *)(panel + (16 * g + 8 + c) * NT + 8 * h),
-                                   _mm256_srli_epi16(v, 4));
-            }
-    }
-}
-
-/* T4K: the tile's blocks of columns [k0, k0 + kc) into the panel, each sub-block's values times
- * its 6-bit scale (v = q sc_j <= 945, as decode_k's Q4_K), dg = d, mg = -dmin m_j. */
-static void decode_t4k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel,
-                             float *dg, float *mg) {
-    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
-        const uint8_t *p = tile + T4K_BLOCK_BYTES * bi;
-        const int64_t g0 = bi * 8 - k0 / 32;
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-            const __m256 dmin =
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)));
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(p + 64 + 32 * h));
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 192 + 32 * h));
-            for (int j = 0; j < 8; j++) {
-                const __m256i sc = k4_scale8(j, 0, a, b, c);
-                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); /* per int16 */
-                _mm256_store_ps(dg + NT * (g0 + j) + 8 * h, d);
-                _mm256_store_ps(mg + NT * (g0 + j) + 8 * h,
-                                _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin),
-                                              _mm256_cvtepi32_ps(k4_scale8(j, 1, a, b, c))));
-                const uint8_t *nib = p + T4K_NIB + 512 * (j / 2) + 16 * h;
-                for (int t = 0; t < 16; t++) {
-                    const __m256i v =
-                        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(nib + 32 * t)));
-                    const __m256i q = j % 2 ? _mm256_srli_epi16(v, 4)
-                                            : _mm256_and_si256(v, _mm256_set1_epi16(0xF));
-                    _mm256_store_si256((__m256i *)(panel + (16 * (g0 + j) + t) * NT + 8 * h),
-                                       _mm256_mullo_epi16(q, sc2));
-                }
-            }
-        }
-    }
-}
-
 /* facc[r][h] (otile's rows) += x rows [mr] times the panel's kc columns, one int32 sum per run
  * of groups; `mins`: then add mg xs32. */
 ALWAYS_INLINE void micro(int mr, int mins, int run, const int16_t *x, int64_t K, const float *dx,
@@ -324,7 +255,7 @@ static void panel_pairs(int16_t *rows, int64_t nt, int64_t sl, float *dg, float 
  * kernels, changed nothing there: 1.00x.) */
 static void touch_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t nt, int64_t k0,
                        int64_t kc) {
-    int elems, per;
+    int elems = 32, per = 18; /* (set for every type this file takes) */
     block_shape(type, &elems, &per);
     const int64_t from = k0 / elems * per, bytes = (kc + elems - 1) / elems * per;
     uint32_t acc = 0;
@@ -361,11 +292,11 @@ void gemm_i16_tile(const uint8_t *w, int64_t row_bytes, int type, const xquant_t
     memset(otile, 0, sizeof(float) * (size_t)(B * NT));
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        const uint8_t *tile = w + n0 * row_bytes; /* tiles: n0 a tile's first row, nt 16 */
-        if (type == T_T4K) decode_t4k_panel(tile, k0, kc, panel, dg, mg);
-        else if (type == T_T6K) gemm_i16_t6k_panel(tile, k0, kc, panel, dg, mg);
-        else if (type == T_T4 || type == T_T8) decode_tile_panel(type, tile, k0, kc, panel, dg, mg);
-        else decode_rows_panel(type, tile, row_bytes, nt, k0, kc, rows, panel, dg, mg);
+        if (IS_TILED(type)) /* n0 is a tile's first row (NT = 16), nt = 16 */
+            gemm_i16_tile_panel(type, w + n0 * row_bytes, k0, kc, panel, dg, mg);
+        else
+            decode_rows_panel(type, w + n0 * row_bytes, row_bytes, nt, k0, kc, rows, panel, dg,
+                              mg);
         for (int64_t b = 0; b < B; b += BR)
             micro_any((int)(B - b < BR ? B - b : BR), type,
                       xq->q + 2 * x_pair_at(B, K, b, k0), K,

@@ -1,8 +1,8 @@
 /*
  * T6K tiles (Q6_K in tiles of 16 rows, quant_tiles.c draws the layout) on AVX2 builds without
  * AVX-512: their product with a few rows of x quantized to int16 per 32 (quant_tiles_avx2.c
- * hands a T6K here; the engine up to 2 rows, quantization.ROWS_MAX_INT16_GEMM_T6K), and their
- * int16 panels for the GEMM past them (quant_gemm_i16.c).
+ * hands a T6K here; the engine up to 2 rows, quantization.ROWS_MAX_INT16_GEMM_T6K; the int16
+ * GEMM takes more, its panels from quant_gemm_i16_tiles.c).
  *
  * Why: Q6_K rows (quant_rows.c) fold each block's sums across lanes and, in the GEMM, decode
  * row by row into a buffer that 8 x 8 transposes turn into the panel, its 16 rows 16 streams
@@ -16,8 +16,7 @@
  *     res += (float(dot) * x.d - 32 x.xs) * (d sc_j)        (q - 32 through x's sums per 16)
  *
  * The same integers as the rows (|q| <= 63, |x| <= 32767: 16 products per lane per scale
- * fit an int32), other float order. The panel: v = (q - 32) sc_j per 16 rows' pair of columns,
- * as quant_gemm_i16.c's decode_k makes it from the rows, with no transposes.
+ * fit an int32), other float order.
  *
  * Measured against the Q6_K rows (Zen 3, 2 threads, 8192 x 2048 and 2048 x 8192, three distinct
  * weights from memory, alternating): 1.04x at 1 row of x (27 against 24 GMAC/s), 1.13x at 2;
@@ -146,49 +145,4 @@ void quant_tiles_k6_avx2(const uint8_t *w, int64_t row_bytes, const xquant_t *xq
         }
 }
 
-/* The tile's blocks of columns [k0, k0 + kc) as quant_gemm_i16.c's panel (pairs of columns x
- * 16 rows as int32, rows in order), v = (q - 32) sc_j (|v| <= 4096), dg = d, mg = 0. */
-void gemm_i16_t6k_panel(const uint8_t *tile, int64_t k0, int64_t kc, int32_t *panel, float *dg,
-                        float *mg) {
-    for (int64_t bi = k0 / 256; bi < (k0 + kc) / 256; bi++) {
-        const uint8_t *p = tile + T6K_BLOCK_BYTES * bi;
-        const int64_t g0 = bi * 8 - k0 / 32; /* the block's first group of 32 in the chunk */
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-        for (int g = 0; g < 8; g++) {
-            _mm256_store_ps(dg + 16 * (g0 + g), d0);
-            _mm256_store_ps(dg + 16 * (g0 + g) + 8, d1);
-            _mm256_store_ps(mg + 16 * (g0 + g), _mm256_setzero_ps());
-            _mm256_store_ps(mg + 16 * (g0 + g) + 8, _mm256_setzero_ps());
-        }
-        for (int h = 0; h < 2; h++)
-            for (int u = 0; u < 4; u++)
-                for (int th = 0; th < 2; th++) {
-                    const int j = 8 * h + 2 * u + th;
-                    const __m128i sc = _mm_loadu_si128((const __m128i *)(p + T6K_SC(j)));
-                    __m256i s2[2]; /* rows 8 r .. 8 r + 7's scale in both int16 of a lane */
-                    for (int r = 0; r < 2; r++) {
-                        const __m256i s = _mm256_cvtepi8_epi32(r ? _mm_srli_si128(sc, 8) : sc);
-                        s2[r] = _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
-                                                _mm256_slli_epi32(s, 16));
-                    }
-                    const uint8_t *ql = p + T6K_QL(h, 16 * (u & 1) + 8 * th);
-                    const uint8_t *qh = p + T6K_QH(h, 8 * th);
-                    /* Column 128 h + 32 u + 16 th + 2 t: pair 64 h + 16 u + 8 th + t. */
-                    int32_t *dst = panel + (64 * h + 16 * u + 8 * th + 128 * bi - k0 / 2) * 16;
-                    for (int t = 0; t < 8; t++) {
-                        const __m256i v = _mm256_sub_epi8(
-                            k6_bytes(load32(ql + 32 * t), load32(qh + 32 * t), u),
-                            _mm256_set1_epi8(32));
-                        for (int r = 0; r < 2; r++) {
-                            const __m128i half = r ? _mm256_extracti128_si256(v, 1)
-                                                   : _mm256_castsi256_si128(v);
-                            _mm256_store_si256(
-                                (__m256i *)(dst + 16 * t + 8 * r),
-                                _mm256_mullo_epi16(_mm256_cvtepi8_epi16(half), s2[r]));
-                        }
-                    }
-                }
-    }
-}
 #endif
