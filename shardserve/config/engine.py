@@ -45,6 +45,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose tokens (and all before them) another request already
     computed; freed blocks keep their contents until evicted, least recently used first."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's KV-cache dtype: only "auto", the cache in the model's activation dtype (float32 or
+    bfloat16); fp8 and other cache dtypes are refused."""
 
     def __post_init__(self) -> None:
         _check(
@@ -66,6 +69,12 @@ class CacheConfig:
         _check(
             self.num_blocks_override is None or self.num_blocks_override >= 1,
             f"num_blocks_override={self.num_blocks_override!r} must be >= 1",
+        )
+        _check(
+            self.kv_cache_dtype == "auto",
+            f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache is kept in "
+            f"the model's activation dtype (set by dtype=, float32 or bfloat16); pass "
+            f"kv_cache_dtype='auto' or leave it out",
         )
 
 

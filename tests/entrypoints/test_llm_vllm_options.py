@@ -71,6 +71,15 @@ def test_gpu_only_options_are_accepted_on_cpu_and_said_once(tiny_llama_dir, capl
         engine_config_from_kwargs(str(tiny_llama_dir), gpu_memory_utilization=1.5)
 
 
+def test_kv_cache_dtype_auto_is_honoured_and_others_refused(tiny_llama_dir):
+    """vLLM's kv_cache_dtype: "auto" (its default, the cache in the model's dtype) is what runs
+    here; fp8 and the rest are refused with the value and the fix named."""
+    assert engine_config_from_kwargs(str(tiny_llama_dir), kv_cache_dtype="auto")
+    for bad in ("fp8", "fp8_e5m2", "float16"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{bad}' is not supported.*'auto'"):
+            engine_config_from_kwargs(str(tiny_llama_dir), kv_cache_dtype=bad)
+
+
 def test_enable_sleep_mode_is_honoured(tiny_llama_dir):
     """vLLM's enable_sleep_mode: False refuses sleep() with the option named; True (like unset)
     sleeps and wakes, and the engine generates afterwards."""
