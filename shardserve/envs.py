@@ -139,9 +139,9 @@ def int8_activations() -> bool:
     """SHARDSERVE_INT8_ACTIVATIONS=1: the row kernels (small batches, the batch-1 decode step)
     quantize x to int8 per 32 values instead of int16, as llama.cpp does: 1.1-2.2x faster rows on
     AVX2, at ~0.5% of a product's largest value as error (int16: ~0.002%), so greedy outputs can
-    differ from the float model's. Default off. Weights the loader tiles (AVX-512: every tiled
-    type; AVX2: Q4_0, Q4_1, Q8_0, Q4_K, whose int16 tiles ran 1.2-1.7x these int8 rows) keep
-    int16."""
+    differ from the float model's. Default off. Weights the loader tiles (every tiled type:
+    Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; on AVX2 the int16 tiles ran 1.2-1.7x these int8 rows) keep
+    int16 (SHARDSERVE_TILES=0 hands them to the int8 rows)."""
     return _get_bool("SHARDSERVE_INT8_ACTIVATIONS", False)
 
 
