@@ -67,8 +67,9 @@ _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # the rows still win at 8: 0.7x-0.95x). AVX2 builds' tiles (T4, T8, T4K; csrc/quant_tiles_avx2.c)
 # hand over to it past 8 too: T4K's rows at 8 / 12 / 16 / 32 rows of x took 0.76x / 1.01x /
 # 1.06x / 1.09x the GEMM's time (Zen 3, 2 threads, 1B shapes). T6K's (quant_tiles_k6_avx2.c)
-# hand over from 3 rows: the GEMM took 0.65x / 0.53x their time at 1 / 2 rows, 0.98-0.99x at
-# 3, 0.81-1.05x at 4, 0.79-0.80x at 5 and 0.75x at 8 (same machine and shapes).
+# hand over from 3 rows: they took 0.53x / 0.65x the GEMM's time at 1 / 2 rows; the GEMM took
+# 0.98-0.99x theirs at 3, 0.81-1.05x at 4, 0.79-0.80x at 5 and 0.75x at 8 (same machine and
+# shapes).
 ROWS_MAX_INT16_GEMM = 8
 ROWS_MAX_INT16_GEMM_T6K = 2
 ROWS_MAX_BF16 = 5
