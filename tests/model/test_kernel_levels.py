@@ -223,9 +223,7 @@ def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library,
     tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
              "Q6_K": q.T6K}
     rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
-    avx2_tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
-                  "Q6_K": q.T6K}
-    want = (tiles if lib.quant_can_tile() else avx2_tiles if avx2 else {}) \
+    want = (tiles if lib.quant_can_tile() or avx2 else {}) \
         | (rows if lib.quant_can_repack() else {})
     repacked = {name: t for name, t in types.items() if t in REPACKED}
     assert repacked == want
@@ -236,13 +234,10 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
     """Repacked bytes hold the same values as their blocks: the portable build (which
     decodes them in plain C) computes them bit for bit as the original blocks."""
     lib = level_library(level)
-    if lib.quant_can_tile():
-        pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
-        names: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces)
-    elif lib.quant_tile_takes(q.Q4_1):  # AVX2 levels: T4, T8, T4K and T6K
-        names = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K")
-    else:
+    if not lib.quant_tile_takes(q.Q4_1):  # AVX-512 and AVX2 levels tile every tiled type
         pytest.skip(f"{level} does not repack")
+    pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
+    names = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces)
     for name in names:
         with nk.using(level_library(level)):
             packed = weight_as_loaded(name)

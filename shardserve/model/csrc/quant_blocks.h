@@ -427,15 +427,16 @@ void gemm_i16_tile_panel(int type, const uint8_t *tile, int64_t k0, int64_t kc, 
 int quant_can_tile(void);
 /* quant_tiles.c: whether this build tiles weights of a ggml type at load (the AVX-512 builds
  * every tiled type; AVX2 builds Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, quant_tiles_avx2.c's); those
- * AVX2 kernels; and quant_tiles_k6_avx2.c's T6K product (AVX2 builds). */
+ * AVX2 kernels; and quant_tiles_k6_avx2.c's T6K passes of 1 and 2 rows of x (AVX2 builds). */
 int quant_tile_takes(int ggml_type);
 int quant_tiles_avx2_takes(int ggml_type);
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads);
-void quant_tiles_k6_avx2(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t B,
-                         int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-                         int threads);
+void k6_avx2_pass1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                   void *out, int64_t out_stride, int out_dtype);
+void k6_avx2_pass2(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                   void *out, int64_t out_stride, int out_dtype);
 /* quant_tiles.c: the same for tiled weights (N a multiple of 16); 0 where this build has no
  * SIMD path for them. */
 int quant_tiles_simd(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,

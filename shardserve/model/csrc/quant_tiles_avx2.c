@@ -253,21 +253,21 @@ int quant_tiles_avx2_takes(int ggml_type) {
 
 /*
  * out = x @ W^T for W in T4 / T8 / T4K / T6K tiles (N a multiple of 16), B rows of x in passes
- * of up to PASS_MAX (T4K: K4_PASS_MAX; T6K: quant_tiles_k6_avx2.c's); 0 for another type (the
- * caller decodes it).
+ * of up to PASS_MAX (T4K: K4_PASS_MAX); 0 for another type (the caller decodes it).
  */
 int quant_tiles_avx2(const uint8_t *w, int64_t row_bytes, int type, const xquant_t *xq,
                      int64_t B, int64_t N, int64_t K, void *out, int64_t out_stride,
                      int out_dtype, int threads) {
     static const pass_fn t4[] = {t4_pass1, t4_pass2}, t8[] = {t8_pass1, t8_pass2};
     static const pass_fn k4[] = {k4_pass1, k4_pass2, k4_pass3, k4_pass4};
-    const pass_fn *fns = type == T_T4 ? t4 : type == T_T8 ? t8 : type == T_T4K ? k4 : NULL;
-    if (B <= 0) return fns != NULL || type == T_T6K;
-    if (type == T_T6K) {
-        quant_tiles_k6_avx2(w, row_bytes, xq, B, N, K, out, out_stride, out_dtype, threads);
-        return 1;
-    }
+    static const pass_fn k6[] = {k6_avx2_pass1, k6_avx2_pass2}; /* quant_tiles_k6_avx2.c */
+    const pass_fn *fns = type == T_T4    ? t4
+                         : type == T_T8  ? t8
+                         : type == T_T4K ? k4
+                         : type == T_T6K ? k6
+                                         : NULL;
     if (fns == NULL) return 0;
+    if (B <= 0) return 1;
     /* Passes of equal rows (5 = 3 + 2, not 4 + 1): each pass re-reads the tile from L1. */
     const int64_t most = type == T_T4K ? K4_PASS_MAX : PASS_MAX;
     const int64_t passes = (B + most - 1) / most, per = (B + passes - 1) / passes;

@@ -29,7 +29,7 @@
 
 #if QK_SIMD && !defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 
-#define K6_PASS_MAX 2 /* rows of x a pass: 4 int32 sums each, a pair of quarters at a time */
+#define K6_PASS_MAX 2 /* rows of x a pass (quant_tiles_avx2.c's PASS_MAX): 4 int32 sums each */
 
 /* d sc_j of a block's 16 rows in the A / B lane order (rows 0-3, 8-11 / 4-7, 12-15). */
 ALWAYS_INLINE void k6_row_scales(const uint8_t *p, int j, __m256 d_ab[2], __m256 s_ab[2]) {
@@ -122,27 +122,14 @@ ALWAYS_INLINE void k6_pass(int NB, const uint8_t *tile, const xquant_t *xq, int6
     }
 }
 
-static void k6_pass1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
-                     void *out, int64_t out_stride, int out_dtype) {
+/* quant_tiles_avx2.c's passes of 1 and 2 rows (its loop hands out the tiles and passes). */
+void k6_avx2_pass1(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                   void *out, int64_t out_stride, int out_dtype) {
     k6_pass(1, tile, xq, b0, n0, K, out, out_stride, out_dtype);
 }
-static void k6_pass2(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
-                     void *out, int64_t out_stride, int out_dtype) {
+void k6_avx2_pass2(const uint8_t *tile, const xquant_t *xq, int64_t b0, int64_t n0, int64_t K,
+                   void *out, int64_t out_stride, int out_dtype) {
     k6_pass(2, tile, xq, b0, n0, K, out, out_stride, out_dtype);
-}
-
-void quant_tiles_k6_avx2(const uint8_t *w, int64_t row_bytes, const xquant_t *xq, int64_t B,
-                         int64_t N, int64_t K, void *out, int64_t out_stride, int out_dtype,
-                         int threads) {
-    /* Passes of equal rows (each re-reads the tile from L1). */
-    const int64_t passes = (B + K6_PASS_MAX - 1) / K6_PASS_MAX, per = (B + passes - 1) / passes;
-#pragma omp parallel for num_threads(threads) schedule(guided)
-    for (int64_t t = 0; t < N / 16; t++)
-        for (int64_t b0 = 0; b0 < B; b0 += per) {
-            const int64_t nb = B - b0 < per ? B - b0 : per;
-            (nb == 1 ? k6_pass1 : k6_pass2)(w + 16 * t * row_bytes, xq, b0, 16 * t, K, out,
-                                            out_stride, out_dtype);
-        }
 }
 
 #endif
