@@ -1,10 +1,11 @@
 """The real-size table of bench/cpu_vs_llamacpp.py (with --llama-bin): shardserve's sides and
 llama.cpp's own binaries on one GGUF, every side a fresh process per round.
 
-Each round measures, back to back: the machine's read bandwidth (bench/_llamacpp_bin.py), then
-every side (the order rotating per round): its measurements (bench/_shardserve_side.py;
-llama-bench and llama-batched-bench), a bare `python -c "import torch"` (spawn to exit) and its
-cold start. Ratios are taken within a round and reported as the median over rounds.
+Each round measures, back to back: the machine's read bandwidth (bench/_llamacpp_bin.py) and
+multiply-add ceiling (bench/_compute_floor.py), then every side (the order rotating per round):
+its measurements (bench/_shardserve_side.py; llama-bench and llama-batched-bench), a bare
+`python -c "import torch"` (spawn to exit) and its cold start. Ratios are taken within a round
+and reported as the median over rounds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from _compute_floor import (
+    add_ceilings,
+    build_floor,
+    floor_gmacs,
+    report_compute,
+    weight_macs_per_token,
+)
 from _llamacpp_bin import (
     COLD_CTX,
     LlamaBinSide,
@@ -88,8 +96,11 @@ def columns(shape: dict) -> list[str]:
             *(f"B={b}" for b in shape["batches"])]
 
 
-def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Rounds) -> None:
+def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Rounds,
+                  floor: Path | None, kinds: dict[str, str]) -> None:
     samples.add((MACHINE, "GB/s"), read_bandwidth_gbs(threads))
+    if floor is not None:
+        kinds.update(add_ceilings(samples, MACHINE, floor_gmacs(floor, threads)))
     cols = columns(shape)
     for side in rotated(sides, r):
         got = side.measure()
@@ -185,7 +196,8 @@ def run_real(args, sides_options: dict, side_env: dict, model: str) -> None:
         print(f"llama.cpp side skipped: no --llama-bin DIR with bin-{args.isa} in it "
               f"(../shared/bench/build_llama_cpp.sh DIR native|avx2)")
     bytes_per_token = weight_bytes_per_token(model)
-    samples = Rounds()
+    floor = build_floor(args.isa)
+    samples, kinds = Rounds(), {}
     # Warm-up: torch's and the kernels' files in the page cache, the kernels built for this
     # ISA, the model file read once.
     import_torch_s()
@@ -194,10 +206,15 @@ def run_real(args, sides_options: dict, side_env: dict, model: str) -> None:
         if isinstance(side, ShardserveRealSide):
             side.cold_start()
     for r in range(args.rounds):
-        measure_round(sides, r, shape, args.threads, samples)
+        measure_round(sides, r, shape, args.threads, samples, floor, kinds)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     names = [s.name for s in sides]
     report(samples, names, shape, bytes_per_token, args.rounds)
+    if kinds:
+        report_compute(samples, MACHINE, kinds, names, shape["batches"],
+                       weight_macs_per_token(model), LLAMA, args.isa, args.threads)
+    else:
+        print(f"\nno multiply-add ceiling: no gcc, or no loops at --isa {args.isa}")
     if args.plot:
         plot(samples, names, shape, args.plot,
              f"{Path(model).name}, {args.threads} threads, ISA {args.isa}")

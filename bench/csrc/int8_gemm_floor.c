@@ -5,7 +5,7 @@
  * kernel of a kind could, before one is built into the engine.
  *
  * Every kernel: BR rows of x against a panel of NT = 32 weight rows over K columns, repeated
- * over 36 rows of x and many passes; 2 threads (OpenMP), each with its own buffers. Kinds:
+ * over 36 rows of x and many passes; THREADS threads (OpenMP), each with its own buffers. Kinds:
  *   f32-bcast   float32 x broadcast, K-major float32 panel, FMA     (the AVX2 / AVX-512 f32 GEMM)
  *   bf16-dot    bfloat16 x and panel, vdpbf16ps dot products        (the AVX-512 bf16 GEMM)
  *   i8-vnni     int8 x broadcast by 4s, u8 panel, vpdpbusd, no scales at all (the int8 ceiling)
@@ -23,7 +23,9 @@
  *   i16-vnni-32 the same with the float step per 32 columns
  *
  *   gcc -O3 -march=native -fopenmp bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
- *   /tmp/int8_floor            prints GMAC/s per kind (kinds this CPU lacks are skipped)
+ *   /tmp/int8_floor [THREADS]  prints GMAC/s per kind (kinds this CPU lacks are skipped), at
+ *                              THREADS threads (default 2)
+ * (bench/_compute_floor.py runs it beside the real-size table, built at the bench's --isa.)
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -356,11 +358,13 @@ static void fill(bufs *u) {
     for (int i = 0; i < B * K / 32; i++) u->dx[i] = 0.1f, u->sx[i] = 3.f;
 }
 
+static int threads = 2;
+
 static void measure(const char *name, void (*fn)(bufs *, int), int arg) {
     double best = 0;
     for (int rep = 0; rep < 3; rep++) {
         double t0 = 0, t1 = 0;
-#pragma omp parallel num_threads(2)
+#pragma omp parallel num_threads(threads)
         {
             bufs *u = aligned_alloc(64, sizeof(bufs));
             fill(u);
@@ -374,10 +378,10 @@ static void measure(const char *name, void (*fn)(bufs *, int), int arg) {
             t1 = now_s();
             free(u);
         }
-        const double rate = 2.0 * PASSES * (double)B * K * NT / (t1 - t0) / 1e9;
+        const double rate = (double)threads * PASSES * (double)B * K * NT / (t1 - t0) / 1e9;
         best = rate > best ? rate : best;
     }
-    printf("%-11s %7.1f GMAC/s (2 threads, best of 3)\n", name, best);
+    printf("%-11s %7.1f GMAC/s (%d threads, best of 3)\n", name, best, threads);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -387,7 +391,8 @@ static void f32_bcast_(bufs *u, int a) { (void)a; f32_bcast(u); }
 static void bf16_dot_(bufs *u, int a) { (void)a; bf16_dot(u); }
 #endif
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1) threads = atoi(argv[1]) > 0 ? atoi(argv[1]) : 1;
 #if defined(__AVX2__) && defined(__FMA__)
     measure("f32-bcast", f32_bcast_, 0);
     measure("i8-avx2", i8_avx2, 0);
