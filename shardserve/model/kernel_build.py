@@ -71,6 +71,8 @@ LORA_SOURCE = _CSRC / "lora_kernels.c"
 CP_SOURCE = _CSRC / "cp_attention.c"
 # And decode attention's AVX2 version (the portable and AVX-512 ones live in SOURCE).
 ATTENTION_AVX2_SOURCE = _CSRC / "attention_avx2.c"
+# Its AVX-512 and portable versions.
+ATTENTION_AVX512_SOURCE = _CSRC / "attention_avx512.c"
 # And its dispatch: a task per request, or with fewer requests than threads per span of one.
 DECODE_ATTENTION_SOURCE = _CSRC / "decode_attention.c"
 # Compiled beside the main source (which a test may replace by a copy of its own).
@@ -80,7 +82,7 @@ LINKED_SOURCES = (QUANT_SOURCE, ACTIVATIONS_SOURCE, ROWS_SOURCE, ROWS_AVX2_SOURC
                   RETILE_SOURCE, GEMM_SOURCE, GEMM_I16_SOURCE, GEMM_I16_TILES_SOURCE,
                   GEMM_AMX_SOURCE, PANEL_SOURCE,
                   DECODE_SOURCE, LORA_SOURCE, CP_SOURCE, ATTENTION_AVX2_SOURCE,
-                  DECODE_ATTENTION_SOURCE)
+                  ATTENTION_AVX512_SOURCE, DECODE_ATTENTION_SOURCE)
 # What the sources share (element types, bfloat16 conversions, cross-file prototypes): hashed with
 # them, so an edit to it rebuilds; its folder is on the include path, so a source copied
 # elsewhere (the tests' broken copy) still finds it.

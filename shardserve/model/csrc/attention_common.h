@@ -1,5 +1,5 @@
 /*
- * What decode attention's versions share (cpu_kernels.c: the portable and AVX-512 ones;
+ * What decode attention's versions share (attention_avx512.c: the AVX-512 and portable ones;
  * attention_avx2.c: the AVX2 one; decode_attention.c: the dispatch and the split of a context):
  * float32 loads and stores of either dtype, a request's scratch (start_request /
  * finish_request), where a slot lies in the paged cache, and the versions' entry points.
@@ -63,9 +63,9 @@ static inline const char *slot_at(const void *cache, const int64_t *blocks, int6
 /* One request's slots [s0, s1) folded into the scratch start_request prepared (qf, acc, m, l;
  * then each version's own: the scores of a step, at most H x 16 + D + H floats), left
  * unnormalised (finish_request, or decode_attention.c's merge of spans, divides by l):
- * decode_span_avx512 (cpu_kernels.c; D % 16 == 0, bfloat16 dot products from the raw q and
+ * decode_span_avx512 (attention_avx512.c; D % 16 == 0, bfloat16 dot products from the raw q and
  * scale where the CPU has them) and decode_span_avx2 (attention_avx2.c; D % 8 == 0) return 0
- * where the build or D has no such version, 1 done; decode_span_scalar (cpu_kernels.c) takes
+ * where the build or D has no such version, 1 done; decode_span_scalar (attention_avx512.c) takes
  * any D. */
 int decode_span_avx512(float *scratch, const void *q, const void *cache, const int64_t *blocks,
                        int64_t s0, int64_t s1, int64_t H, int64_t Hkv, int64_t D,

@@ -271,7 +271,7 @@ static inline const char *slot_at(const cp_args *a, const int64_t *blocks, int64
 
 /* Ask for the next chunk's K and V rows of kv head kvh while this one computes: blocks lie
  * scattered in the pool, so the hardware prefetcher loses the stream at each block end (as in
- * cpu_kernels.c's decode_attention; into L2). */
+ * attention_avx512.c's prefetch_group; into L2). */
 static void prefetch_chunk(const cp_args *a, const int64_t *blocks, int64_t start,
                            int64_t nkeys, int64_t kvh) {
     if (start >= nkeys) return;

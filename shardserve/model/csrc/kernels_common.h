@@ -1,8 +1,8 @@
 /*
  * What the kernel sources share (cpu_kernels.c, quant_kernels.c, decode_layers.c, lora_kernels.c;
  * all built into one library by shardserve/model/native_kernels.py, which hashes this header with
- * them so an edit here rebuilds the library): the element types, the bfloat16 conversions, the AVX2
- * vector exp, and the prototypes of the functions one file calls from another. Declaring them once
+ * them so an edit here rebuilds the library): the element types, the bfloat16 conversions, the AVX-512
+ * element loads, stores and exp, the AVX2 ones, and the prototypes of the functions one file calls from another. Declaring them once
  * here, included by the file that defines them too, lets the compiler check every caller against
  * the definition.
  */
@@ -47,8 +47,57 @@ ALWAYS_INLINE __m256 load8_act(const void *p, int dtype) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 16 elements at p (float32 or bfloat16) as float32. */
+ALWAYS_INLINE __m512 load16(const void *p, int dtype) {
+    if (dtype == DT_F32) return _mm512_loadu_ps(p);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Store 16 float32 values at p as float32 or bfloat16 (rounded to nearest even). */
+ALWAYS_INLINE void store16(void *p, __m512 x, int dtype) {
+    if (dtype == DT_F32) {
+        _mm512_storeu_ps(p, x);
+        return;
+    }
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    float tmp[16];
+    _mm512_storeu_ps(tmp, x);
+    for (int i = 0; i < 16; i++) ((uint16_t *)p)[i] = f32_to_bf16(tmp[i]);
+#endif
+}
+
+/* x rounded to dtype (identity for float32), back in float32. */
+ALWAYS_INLINE __m512 round16(__m512 x, int dtype) {
+    if (dtype == DT_F32) return x;
+    uint16_t tmp[16];
+    store16(tmp, x, dtype);
+    return load16(tmp, dtype);
+}
+
+/* e^x as 2^n * 2^f with |f| <= 1/2: 2^f by a degree-6 Taylor polynomial (relative error ~1e-7),
+ * 2^n applied exactly by scalef. x is clamped to [-87, 88], so results stay finite and normal. */
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
-/* e^x as 2^n * 2^f, |f| <= 1/2 (cpu_kernels.c's exp16 on 8 lanes; attention_avx2.c's softmax
+/* e^x as 2^n * 2^f, |f| <= 1/2 (exp16 above on 8 lanes; attention_avx2.c's softmax
  * and cpu_kernels.c's AVX2 SiLU): 2^f by a degree-6 Taylor
  * polynomial, 2^n put in the exponent bits. x clamped to [-87, 88]: results finite, normal. */
 ALWAYS_INLINE __m256 exp8(__m256 x) {
