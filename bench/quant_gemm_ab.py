@@ -9,7 +9,7 @@ OLD-LIB: the library an older checkout built (its `native_kernels.library()._nam
 B x K x N (rows of x, input size, output size); weights are random blocks of each GGML type
 (12 Q4_K, 14 Q6_K, 3 Q4_1, ...). Prints GMAC/s of both, the median of per-round ratios, their
 largest relative difference and, at 32 rows or fewer, the row kernels' GMAC/s (which take those
-batches in the engine below quantization.rows_max).
+batches in the engine below quant_rows_max.rows_max).
 """
 
 from __future__ import annotations

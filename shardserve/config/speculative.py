@@ -79,7 +79,7 @@ class SpeculativeConfig:
     max_verify_rows: int = 8
     """A step's rows (its running requests' tokens plus their drafts) up to which drafts are
     scheduled, shared evenly among the requests; 0: no cap. Verifying pays while a step stays
-    on the few-rows kernels (the tiles' rows, quantization.ROWS_MAX_TILES, were 8 then): measured
+    on the few-rows kernels (the tiles' rows, quant_rows_max.ROWS_MAX_TILES, were 8 then): measured
     with bench/spec_decode.py on the default model (2-core Zen 4), uncapped drafts at 4 and 8
     running requests took the step to the panel GEMM and ran 0.72-0.92x no speculation."""
 

@@ -2,7 +2,7 @@
 (csrc/decode_layers.c, whose header lists the per-layer sequence).
 
 Applies to steps whose rows are all decodes, any number of them (each product takes the row
-kernels up to its segment's quantization.rows_max rows and the panel GEMM past them, as the
+kernels up to its segment's quant_rows_max.rows_max rows and the panel GEMM past them, as the
 layer-by-layer path chooses; a verify step of 1 + k speculative positions is such rows too),
 with one tensor-parallel rank (nothing to all-reduce between the products), the native kernels
 built, and every linear of every layer quantized, in up to three row segments (a Q4_K_M file's
@@ -23,7 +23,7 @@ import torch
 
 from shardserve import envs
 from shardserve.distributed.parallel_state import get_tp_group
-from shardserve.model import native_kernels, quantization
+from shardserve.model import native_kernels, quant_rows_max
 
 if TYPE_CHECKING:
     from shardserve.model.attention import AttentionMetadata
@@ -80,7 +80,7 @@ def _matrix(layer: MatmulLayer, dtype: torch.dtype) -> _Matrix | None:
         if offset != row:
             return None
         segs.append(_Segment(seg.data.data_ptr(), seg.data.stride(0), seg.shape[0],
-                             seg.ggml_type, quantization.rows_max(seg.ggml_type, dtype)))
+                             seg.ggml_type, quant_rows_max.rows_max(seg.ggml_type, dtype)))
         row += seg.shape[0]
     matrix = _Matrix(nseg=len(segs), rows=qweight.rows)
     for i, seg in enumerate(segs):

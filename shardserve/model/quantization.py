@@ -6,13 +6,12 @@ A `QuantizedTensor` is a [rows, cols] matrix as GGML blocks: `data` is uint8 [ro
 a row being whole blocks. Rows are independent, so tensor parallelism's output split and the
 Q/K row permutations move whole byte rows; an input split moves whole blocks and is
 refused where it would cut one. int8 weights use the Q8_0 layout (32 int8 and an fp16 scale
-per block) with one scale per row, so one kernel serves both.
+per block) with one scale per row, so one kernel serves both. The block types are
+quant_types.py's; which kernel a product takes by its rows of x, quant_rows_max.py's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -22,87 +21,23 @@ from shardserve import envs
 from shardserve.model import native_kernels, quant_repack
 from shardserve.model.file_map import drop_pages
 from shardserve.model.huge_pages import huge_pages_on, weight_memory
-
-# ggml type id -> (name, elements per block, bytes per block): the types kept quantized.
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-}
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-# shardserve's row layouts for the batch-1 path (quant_kernels.c's header draws them): the same
-# values and bytes as their source, scales gathered at the row's end.
-# T4 / T8 / T4K / T6K: Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K in tiles of 16 rows for the few-rows
-# products (csrc/quant_tiles.c draws them), where the rows come in multiples of 16; a tile holds
-# 16 rows' bytes, so row n's bytes are not row n of the data.
-R4, R8, T4, T8, T4K, T6K = 1004, 1008, 1104, 1108, 1112, 1114
-_REPACKED: dict[int, tuple[str, int, int]] = {
-    R4: ("R4", 32, 20), R8: ("R8", 32, 34), T4: ("T4", 32, 20), T8: ("T8", 32, 34),
-    T4K: ("T4K", 256, 144), T6K: ("T6K", 256, 210)}
-_TILED = frozenset((T4, T8, T4K, T6K))
-_TILE_OF = {Q4_0: T4, Q4_1: T4, Q8_0: T8, Q4_K: T4K, Q6_K: T6K}
-
+from shardserve.model.quant_rows_max import ROWS_MAX_BF16, rows_max
+from shardserve.model.quant_types import (
+    GGML_TYPES,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    R4,
+    R8,
+    REPACKED,
+    TILE_OF,
+    TILED,
+    layout,
+)
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Up to rows_max(...) rows of x a product runs the row kernels (quant_rows.c: a weight row
-# decoded in registers, multiplied with up to 8 rows of x a pass; FUSED_MAX_B in
-# csrc/quant_blocks.h), from one more on the panel GEMM (quant_gemm.c: weights decoded once per
-# call into float32 panels, or bfloat16 ones multiplied pairwise by vdpbf16ps on AVX512_BF16).
-# Measured on AVX-512 (random blocks, 2 threads; GEMM time over rows time): at 5 rows the rows
-# win for every type and x dtype (0.3-0.9x); at 8 they win with float32 x (0.6-0.9x) but not
-# always with bfloat16 x (0.95-1.5x, the GEMM's bf16 dot); with float32 x the K-quants' rows
-# still win at 32 (0.75-0.98x: their panels decode slowly).
-# The tiles (T4 / T8 / T4K / T6K, csrc/quant_tiles.c) pay the float step once per 16 weight
-# rows: with bfloat16 x they took 0.43-0.85x the GEMM's time at 8 rows and 0.67-0.89x at 16
-# (two passes of 8; default model's and 1B's shapes, Zen 4); at 1B's 2048 -> 8192 from memory
-# (4 distinct weights, 2 threads, 2026-12-06) T4K / T6K 0.76x / 0.65x at 16 rows, 0.95x /
-# 0.78x at 24, 0.93x / 0.90x at 32, 0.99x / 1.04x at 48, 1.04x / 1.12x at 64; T4K / T6K with
-# float32 x as the K-quants. T4 / T8 at the default model's shapes (bfloat16 x): 0.79-0.85x at
-# 32 rows at 3072 x 576 but 1.12-1.17x at 576 x 1536 (0.88-0.96x at 16), so they stay at 16.
-# Where the GEMM multiplies with int16 x (AVX2 builds, csrc/quant_gemm_i16.c) it beat the rows
-# from 16 rows on (Zen 4 at x86-64-v3, 1B shapes, 2 threads: Q4_K 1.35x, Q6_K 1.8x at 16 rows;
-# the rows still win at 8: 0.7x-0.95x). AVX2 builds' tiles (T4, T8, T4K; csrc/quant_tiles_avx2.c)
-# hand over to it past 8 too: T4K's rows at 8 / 12 / 16 / 32 rows of x took 0.76x / 1.01x /
-# 1.06x / 1.09x the GEMM's time (Zen 3, 2 threads, 1B shapes). T6K's (quant_tiles_k6_avx2.c)
-# hand over from 3 rows: they took 0.53x / 0.65x the GEMM's time at 1 / 2 rows; the GEMM took
-# 0.98-0.99x theirs at 3, 0.81-1.05x at 4, 0.79-0.80x at 5 and 0.75x at 8 (same machine and
-# shapes).
-ROWS_MAX_INT16_GEMM = 8
-ROWS_MAX_INT16_GEMM_T6K = 2
-ROWS_MAX_BF16 = 5
-ROWS_MAX_F32 = 8
-ROWS_MAX_F32_KQUANT = 32
-ROWS_MAX_TILES = 16
-ROWS_MAX_TILES_KQUANT = 32
-# Where the GEMM's bfloat16 products run on AMX (csrc/quant_gemm_amx.c) they cost little beside
-# decoding the weights, and the K-quant tiles' rows lose past 16 (Sapphire Rapids, 2 threads,
-# 1B's 2048 -> 8192 from memory, GEMM over rows GMAC/s: T4K 1.00x at 16 rows, 1.38x at 24,
-# 1.92x at 32; T6K 0.84x at 16, 1.30x at 24, 1.62x at 32). T4 / T8 stay at 16 (0.5-0.6x at 16
-# rows at the default model's shapes, 0.8x at 24, 1.15-1.4x at 32).
-ROWS_MAX_AMX_KQUANT = 16
-_KQUANTS = frozenset(t for t, (_, elems, _) in GGML_TYPES.items() if elems == 256)
-_KQUANT_ROWS = _KQUANTS | {T4K, T6K}  # the K-quants and their tiles: rows_max with float32 x
-
-
-def rows_max(ggml_type: int, x_dtype: torch.dtype) -> int:
-    """The most rows of x whose product with a weight of this type takes the row kernels."""
-    if gemm_int16(ggml_type):
-        return ROWS_MAX_INT16_GEMM_T6K if ggml_type == T6K else ROWS_MAX_INT16_GEMM
-    if x_dtype != torch.float32:
-        if ggml_type in (T4K, T6K):
-            return ROWS_MAX_AMX_KQUANT if gemm_amx() else ROWS_MAX_TILES_KQUANT
-        return ROWS_MAX_TILES if ggml_type in _TILED else ROWS_MAX_BF16
-    return ROWS_MAX_F32_KQUANT if ggml_type in _KQUANT_ROWS else ROWS_MAX_F32
-
-
 _ERRORS = {-1: "out of memory for its scratch buffers", -2: "a type or row length it cannot take"}
-
-
-def _layout(ggml_type: int) -> tuple[str, int, int]:
-    return GGML_TYPES.get(ggml_type) or _REPACKED[ggml_type]
 
 
 @dataclass(frozen=True)
@@ -116,7 +51,7 @@ class QuantizedTensor:
     rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
-        name, elems, nbytes = _layout(self.ggml_type)
+        name, elems, nbytes = layout(self.ggml_type)
         if self.cols % elems or self.data.shape[-1] != self.cols // elems * nbytes:
             raise ValueError(f"{name}: {self.data.shape[-1]} bytes per row do not hold "
                              f"{self.cols} elements")
@@ -131,21 +66,21 @@ class QuantizedTensor:
         return GGML_TYPES[self.source_type or self.ggml_type][0]
 
     def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
-        if self.ggml_type in _TILED and (start % 16 or length % 16):
+        if self.ggml_type in TILED and (start % 16 or length % 16):
             raise ValueError(f"a tiled weight's rows come in tiles of 16: [{start}, "
                              f"{start + length}) cuts one")
         return QuantizedTensor(self.data.narrow(0, start, length).contiguous(), self.ggml_type,
                                self.cols, self.source_type)
 
     def index_rows(self, rows: torch.Tensor) -> QuantizedTensor:
-        if self.ggml_type in _TILED:
+        if self.ggml_type in TILED:
             raise ValueError("a tiled weight's rows lie in tiles: pick rows before repacking")
         return QuantizedTensor(self.data.index_select(0, rows), self.ggml_type, self.cols,
                                self.source_type)
 
     def narrow_cols(self, start: int, length: int) -> QuantizedTensor:
         """Columns [start, start + length): whole blocks only (a tensor-parallel input split)."""
-        if self.ggml_type in _REPACKED:
+        if self.ggml_type in REPACKED:
             raise ValueError("a repacked weight is split before it is repacked, not after")
         _, elems, nbytes = GGML_TYPES[self.ggml_type]
         if start % elems or length % elems:
@@ -179,11 +114,11 @@ def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
     (AVX-512 and AVX2 every one; SHARDSERVE_TILES=0: none); else R4 (cols a
     multiple of 64) and R8 where it computes those (AVX-512; the K-quants keep their layout);
     None to keep w's layout."""
-    if w.ggml_type not in _TILE_OF:
+    if w.ggml_type not in TILE_OF:
         return None
     lib = native_kernels.lib()
     if tiled and w.shape[0] % 16 == 0 and lib.quant_tile_takes(w.ggml_type) and envs.tiles():
-        return _TILE_OF[w.ggml_type]
+        return TILE_OF[w.ggml_type]
     if w.ggml_type in (Q4_K, Q6_K) or (w.ggml_type != Q8_0 and w.cols % 64) or \
             not lib.quant_can_repack():
         return None
@@ -191,13 +126,13 @@ def repacked_type(w: QuantizedTensor, tiled: bool = True) -> int | None:
 
 
 def _row_bytes(kind: int, cols: int) -> int:
-    _, elems, nbytes = _REPACKED[kind]
+    _, elems, nbytes = REPACKED[kind]
     return cols // elems * nbytes
 
 
 def repack_into(w: QuantizedTensor, dst: torch.Tensor, kind: int) -> None:
     """w's rows in layout `kind` (its repacked_type) into dst uint8 [rows, row_bytes]. Exact."""
-    if kind in _TILED:
+    if kind in TILED:
         quant_repack.repack_tiles(w.data, dst, w.cols, w.ggml_type)
     elif w.ggml_type == Q8_0:
         quant_repack.repack_r8(w.data, dst, w.cols)
@@ -253,38 +188,6 @@ def gemm_into(out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
     """out = x @ W.T as matmul_into, for many rows of x: the weight decoded panel by panel to
     float32 and reused by every row (csrc/quant_gemm.c), no dense copy kept."""
     _product("quant_gemm", out, x, w)
-
-
-def gemm_amx() -> bool:
-    """Whether gemm_into multiplies bfloat16 x on AMX tiles (csrc/quant_gemm_amx.c: a build with
-    AMX-BF16, a kernel that grants the tile state, SHARDSERVE_AMX not 0); False without the
-    kernels."""
-    try:
-        lib = native_kernels.lib()
-    except RuntimeError:
-        return False
-    return _gemm_amx(lib)
-
-
-@functools.cache
-def _gemm_amx(lib: ctypes.CDLL) -> bool:
-    return bool(lib.gemm_amx_ready())
-
-
-def gemm_int16(ggml_type: int) -> bool:
-    """Whether gemm_into multiplies weights of this type with x quantized to int16 (the AVX2
-    builds: csrc/quant_gemm_i16.c), at the integer path's precision; else float32 panels (and
-    False without the kernels)."""
-    try:
-        lib = native_kernels.lib()
-    except RuntimeError:
-        return False
-    return _gemm_int16(lib, ggml_type)
-
-
-@functools.cache
-def _gemm_int16(lib: ctypes.CDLL, ggml_type: int) -> bool:
-    return bool(lib.quant_gemm_int16(ggml_type))
 
 
 def _product(kernel: str, out: torch.Tensor, x: torch.Tensor, w: QuantizedTensor) -> None:
@@ -346,7 +249,7 @@ class QuantWeight:
         for offset, piece in order:
             last = groups[-1][-1] if groups else None
             copied = repack and last is not None and last[1].ggml_type == piece.ggml_type and \
-                (huge_pages_on() or repacked_type(piece) in _TILED)
+                (huge_pages_on() or repacked_type(piece) in TILED)
             if last is not None and last[0] + last[1].shape[0] == offset and \
                     ((one_type and join_apart) or copied or _back_to_back(last[1], piece)):
                 groups[-1].append((offset, piece))

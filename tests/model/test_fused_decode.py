@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardserve.model import native_kernels, quantization
+from shardserve.model import native_kernels, quant_rows_max
 from shardserve.model.attention import AttentionMetadata, allocate_kv_cache
 from shardserve.model.fused_decode import FusedDecode
 from shardserve.model.llama import LlamaForCausalLM
@@ -105,7 +105,7 @@ def test_past_the_row_kernels_bit_identical(tiny_qwen2_dir: Path, dtype: torch.d
     loading: weights keep theirs), so the 5- and 3-row steps take it."""
     for name in ("ROWS_MAX_INT16_GEMM", "ROWS_MAX_INT16_GEMM_T6K", "ROWS_MAX_BF16", "ROWS_MAX_F32",
                  "ROWS_MAX_F32_KQUANT", "ROWS_MAX_TILES", "ROWS_MAX_TILES_KQUANT"):
-        monkeypatch.setattr(quantization, name, 2)
+        monkeypatch.setattr(quant_rows_max, name, 2)
     model = load(tiny_qwen2_dir, dtype, "int8")
     assert model.model.layers[0].mlp.down_proj.qweight.rows_max(dtype) == 2
     assert_identical(model, model.arch.vocab_size)

@@ -52,6 +52,8 @@ import torch
 
 from shardserve.model import kernel_levels
 from shardserve.model import native_kernels as nk
+from shardserve.model import quant_rows_max as qr
+from shardserve.model import quant_types as qt
 from shardserve.model import quantization as q
 from tests.model.test_quantization import random_blocks
 
@@ -69,7 +71,7 @@ def gemm_kind(x: torch.Tensor, w: q.QuantWeight) -> int:
     """quant_gemm multiplies int16 x by int16 panels on an AVX2 build (quant_gemm_i16.c),
     bfloat16 x by bfloat16 weight panels (vdpbf16ps) on a build with AVX512_BF16
     (csrc/quant_gemm.c's GEMM_BF16), by float32 panels otherwise."""
-    if q.gemm_int16(w.segments[0][1].ggml_type):
+    if qr.gemm_int16(w.segments[0][1].ggml_type):
         return INT16_GEMM
     features = set(kernel_levels.isa_features(nk.lib()))
     bf16 = x.dtype == torch.bfloat16 and {"AVX512F", "AVX512BF16"} <= features
@@ -113,7 +115,7 @@ ENTRY_POINTS: dict[str, Callable[[q.QuantWeight, torch.Tensor], Result]] = {
 
 WEIGHTS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "int8": None,
            "Q4_1 (pieces)": 3, "Q8_0 (pieces)": 8, "Q4_K (pieces)": 12, "Q6_K (pieces)": 14}
-REPACKED = (q.R4, q.R8, q.T4, q.T8, q.T4K, q.T6K)
+REPACKED = (qt.R4, qt.R8, qt.T4, qt.T8, qt.T4K, qt.T6K)
 GEMM_RUNS = {12: 8, 13: 4, 14: 2}  # the int16 GEMM's 32s per x scale, by ggml type (else 1)
 LEVELS = [level for level in nk.levels_buildable_here() if level != "portable"]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -200,7 +202,7 @@ def assert_agrees(got: torch.Tensor, want: torch.Tensor, kind: int, abs_prod: to
 def test_every_level_agrees_with_the_portable_build(run, level, weight, entry, rows, dtype):
     got, kind, _ = run(level, weight, entry, rows, dtype)
     want, want_kind, portable_type = run("portable", weight, entry, rows, dtype)
-    assert portable_type == (WEIGHTS[weight] or q.Q8_0)  # the portable build never repacks
+    assert portable_type == (WEIGHTS[weight] or qt.Q8_0)  # the portable build never repacks
     prods = abs_products(weight, rows, dtype) if entry != "dequantize_rows" else None
     kinds = {kind, want_kind} - INT16_KINDS
     mixed = kind != want_kind and {kind, want_kind} & INT16_KINDS  # x rounded on one side only
@@ -220,9 +222,9 @@ def test_a_level_repacks_exactly_where_its_kernels_take_them(run, level_library,
     assert bool(lib.quant_can_tile()) == bool(lib.quant_can_repack())
     avx2 = not lib.quant_can_tile() and {"AVX2", "FMA", "F16C"} <= features
     types = {name: run(level, name, "matmul", 1, torch.float32)[2] for name in WEIGHTS}
-    tiles = {"Q4_0": q.T4, "Q4_1": q.T4, "Q8_0": q.T8, "int8": q.T8, "Q4_K": q.T4K,
-             "Q6_K": q.T6K}
-    rows = {"Q4_1 (pieces)": q.R4, "Q8_0 (pieces)": q.R8}
+    tiles = {"Q4_0": qt.T4, "Q4_1": qt.T4, "Q8_0": qt.T8, "int8": qt.T8, "Q4_K": qt.T4K,
+             "Q6_K": qt.T6K}
+    rows = {"Q4_1 (pieces)": qt.R4, "Q8_0 (pieces)": qt.R8}
     want = (tiles if lib.quant_can_tile() or avx2 else {}) \
         | (rows if lib.quant_can_repack() else {})
     repacked = {name: t for name, t in types.items() if t in REPACKED}
@@ -234,7 +236,7 @@ def test_repacked_rows_on_the_portable_build_equal_their_blocks(level_library, l
     """Repacked bytes hold the same values as their blocks: the portable build (which
     decodes them in plain C) computes them bit for bit as the original blocks."""
     lib = level_library(level)
-    if not lib.quant_tile_takes(q.Q4_1):  # AVX-512 and AVX2 levels tile every tiled type
+    if not lib.quant_tile_takes(qt.Q4_1):  # AVX-512 and AVX2 levels tile every tiled type
         pytest.skip(f"{level} does not repack")
     pieces = ("Q4_1 (pieces)", "Q8_0 (pieces)") if lib.quant_can_repack() else ()
     names = ("Q4_0", "Q4_1", "Q8_0", "int8", "Q4_K", "Q6_K", *pieces)

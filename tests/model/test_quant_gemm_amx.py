@@ -16,6 +16,8 @@ from test_quantization import random_blocks, reference, rel_err
 
 from shardserve.model import kernel_levels
 from shardserve.model import native_kernels as nk
+from shardserve.model import quant_rows_max as qr
+from shardserve.model import quant_types as qt
 from shardserve.model import quantization as q
 
 pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
@@ -72,20 +74,20 @@ def test_amx_is_on_where_the_build_and_cpu_have_it_and_the_knob_turns_it_off(
     on = level == "native" and HAS_AMX
     assert bool(lib.gemm_amx_ready()) == on
     with nk.using(lib):
-        assert q.gemm_amx() == on
-        if q.gemm_int16(q.T4K):  # AVX2 levels: T4K's rows hand over to the int16 GEMM
-            assert q.rows_max(q.T4K, torch.bfloat16) == q.ROWS_MAX_INT16_GEMM
-            assert q.rows_max(q.T4K, torch.float32) == q.ROWS_MAX_INT16_GEMM
+        assert qr.gemm_amx() == on
+        if qr.gemm_int16(qt.T4K):  # AVX2 levels: T4K's rows hand over to the int16 GEMM
+            assert qr.rows_max(qt.T4K, torch.bfloat16) == qr.ROWS_MAX_INT16_GEMM
+            assert qr.rows_max(qt.T4K, torch.float32) == qr.ROWS_MAX_INT16_GEMM
         else:
-            want = q.ROWS_MAX_AMX_KQUANT if on else q.ROWS_MAX_TILES_KQUANT
-            assert q.rows_max(q.T4K, torch.bfloat16) == want
-            assert q.rows_max(q.T4K, torch.float32) == q.ROWS_MAX_F32_KQUANT  # no AMX
+            want = qr.ROWS_MAX_AMX_KQUANT if on else qr.ROWS_MAX_TILES_KQUANT
+            assert qr.rows_max(qt.T4K, torch.bfloat16) == want
+            assert qr.rows_max(qt.T4K, torch.float32) == qr.ROWS_MAX_F32_KQUANT  # no AMX
     monkeypatch.setenv("SHARDSERVE_AMX", "0")
     nk.library.cache_clear()
     off = nk.library()
     try:
         assert not off.gemm_amx_ready()
         with nk.using(off):
-            assert not q.gemm_amx()
+            assert not qr.gemm_amx()
     finally:  # one library file is one state in this process, whichever handle turned it off
         assert bool(off.gemm_amx_set(1)) == on

@@ -17,6 +17,7 @@ import torch
 from test_quantization import ARCHES, random_blocks, reference, rel_err
 
 from shardserve.model import native_kernels as nk
+from shardserve.model import quant_types as qt
 from shardserve.model import quantization as q
 
 pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compiler")
@@ -48,7 +49,7 @@ def level(request):
             lib.quant_set_int8_activations(0)
 
 
-@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=[q.GGML_TYPES[t][0] for t in INT8_TYPES])
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=[qt.GGML_TYPES[t][0] for t in INT8_TYPES])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])  # every NB kernel, and two passes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_int8_rows_equal_the_int8_oracle(level, ggml_type, rows, dtype):

@@ -4,11 +4,11 @@ dequantization, on random blocks of every kept GGUF type.
 Oracle: `gguf.quants.dequantize` (numpy, llama.cpp's reference written again in Python), then a
 float64 matmul. What each path must meet:
 - the embedding lookup (`dequantize_rows`) equals the gguf values bit for bit;
-- the integer path (up to quantization.rows_max rows of x) quantizes x per 32 values to int16, so it
-  is compared with the reference on an x that int16 represents exactly (each block an integer vector
-  times a power of two, holding +-32767): there it must agree to float32 rounding (relative 1e-5 of
-  the largest output); on a random x the activation rounding adds ~1e-5 (1e-4 asserted; bfloat16
-  inputs and outputs 1e-2);
+- the integer path (up to quant_rows_max.rows_max rows of x) quantizes x per 32 values to int16,
+  so it is compared with the reference on an x that int16 represents exactly (each block an
+  integer vector times a power of two, holding +-32767): there it must agree to float32
+  rounding (relative 1e-5 of the largest output); on a random x the activation rounding adds
+  ~1e-5 (1e-4 asserted; bfloat16 inputs and outputs 1e-2);
 - past rows_max rows, the panel GEMM (csrc/quant_gemm.c: weights decoded to float32,
   x not quantized): float32 agrees to 1e-5, bfloat16 (x and the output rounded) to 1e-2; on
   AVX2 builds its int16 panels (csrc/quant_gemm_i16.c: x quantized per 32 to at most 16383,
@@ -25,6 +25,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardserve.model import native_kernels as nk
+from shardserve.model import quant_rows_max as qr
+from shardserve.model import quant_types as qt
 from shardserve.model import quantization as q
 from shardserve.model.huge_pages import huge_pages_on
 
@@ -33,13 +35,13 @@ pytestmark = pytest.mark.skipif(not nk.compiler_available(), reason="no C compil
 # Byte offsets of each type's fp16 scale fields inside a block (random bytes there could be
 # inf/NaN; the rest of a block is any bytes at all).
 _HALF_FIELDS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
-TYPES = sorted(q.GGML_TYPES)
+TYPES = sorted(qt.GGML_TYPES)
 ARCHES = {"native": nk.NATIVE_ARCH, "avx2": ("-march=x86-64-v3",), "portable": nk.PORTABLE_ARCH}
 
 
 def random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> q.QuantizedTensor:
     rng = np.random.default_rng(seed)
-    _, elems, nbytes = q.GGML_TYPES[ggml_type]
+    _, elems, nbytes = qt.GGML_TYPES[ggml_type]
     data = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
     for off in _HALF_FIELDS[ggml_type]:
         halves = (rng.standard_normal((rows, cols // elems)) * 0.01).astype(np.float16)
@@ -72,7 +74,7 @@ def kernels(request):
         yield request.param
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[qt.GGML_TYPES[t][0] for t in TYPES])
 def test_dequantized_rows_equal_the_gguf_package(kernels, ggml_type):
     w = random_blocks(ggml_type, 40, 512, seed=ggml_type)
     ref = reference(w)
@@ -82,7 +84,7 @@ def test_dequantized_rows_equal_the_gguf_package(kernels, ggml_type):
     assert torch.equal(q.dequantize_rows(w, ids, torch.bfloat16), ref[ids].bfloat16())
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[qt.GGML_TYPES[t][0] for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_integer_path_is_exact_where_int16_holds_x(kernels, ggml_type, rows):
     w = random_blocks(ggml_type, 72, 512, seed=ggml_type + rows)
@@ -106,7 +108,7 @@ def test_integer_path_every_row_count_and_row_tail(kernels, ggml_type, cols):
         assert rel_err(out, x.double() @ want_w.T) < 1e-5, rows
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=[q.GGML_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[qt.GGML_TYPES[t][0] for t in TYPES])
 @pytest.mark.parametrize("rows", [1, 3, 6, 9, 24, 33])  # either side of every rows_max
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype):
@@ -118,7 +120,7 @@ def test_random_x_within_the_activation_rounding(kernels, ggml_type, rows, dtype
     want = x.double() @ reference(w).double().T
     gemm = rows > weight.rows_max(dtype)  # float32 panels, or int16 ones on AVX2 builds
     # x rounded at 16383: twice the rows' step (the type as loaded: a tile's own rows_max)
-    int16_gemm = gemm and q.gemm_int16(weight.segments[0][1].ggml_type)
+    int16_gemm = gemm and qr.gemm_int16(weight.segments[0][1].ggml_type)
     limit = 1e-2 if dtype == torch.bfloat16 else 3e-4 if int16_gemm else 1e-5 if gemm else 1e-4
     assert rel_err(got, want) < limit
 
@@ -147,17 +149,17 @@ def test_gemm_edges_long_rows_and_strided_x(kernels, ggml_type):
     out = torch.full((23, 70), 7.0)
     q.gemm_into(out.narrow(1, 9, 53), x, w)
     want = x.double() @ reference(w).double().T
-    assert rel_err(out[:, 9:62], want) < (3e-4 if q.gemm_int16(ggml_type) else 1e-5)
+    assert rel_err(out[:, 9:62], want) < (3e-4 if qr.gemm_int16(ggml_type) else 1e-5)
     assert (out[:, :9] == 7).all() and (out[:, 62:] == 7).all()  # nothing written beside it
 
 
 def extreme_blocks(ggml_type: int, rows: int, cols: int) -> q.QuantizedTensor:
     """K-quant blocks whose every value is the type's largest in magnitude: Q4_K / Q5_K every
     6-bit scale 63 and q 15 / 31 (mins 0), Q6_K every scale -128 and q -32; d = 2^-10."""
-    _, elems, nbytes = q.GGML_TYPES[ggml_type]
+    _, elems, nbytes = qt.GGML_TYPES[ggml_type]
     data = np.full((rows, cols // elems, nbytes), 0xFF, dtype=np.uint8)
     half = np.array([2.0**-10], dtype=np.float16).view(np.uint8)
-    if ggml_type == q.Q6_K:
+    if ggml_type == qt.Q6_K:
         data[:, :, :192] = 0  # ql, qh: q = -32
         data[:, :, 192:208] = 0x80  # scales: -128
         data[:, :, 208:210] = half

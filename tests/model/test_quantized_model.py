@@ -25,7 +25,8 @@ from shardserve.engine.config_builder import model_config_for
 from shardserve.model import native_kernels
 from shardserve.model.llama import LlamaForCausalLM
 from shardserve.model.loader import iter_weights, load_tokenizer, read_arch
-from shardserve.model.quantization import ROWS_MAX_BF16, QuantWeight
+from shardserve.model.quant_rows_max import ROWS_MAX_BF16
+from shardserve.model.quantization import QuantWeight
 from tests.entrypoints.pp_oracle import CHAT_PROMPTS, RAW_PROMPTS
 from tests.model.test_llama import PagedRunner
 
