@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shardserve.config.checks import check as _check
 from shardserve.config.lora import LoRAConfig
 from shardserve.config.model import DeviceConfig, ModelConfig
@@ -24,6 +26,9 @@ from shardserve.config.speculative import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,10 @@ class CacheConfig:
     """Reuse the KV of full blocks whose tokens (and all before them) another request already
     computed; freed blocks keep their contents until evicted, least recently used first."""
     kv_cache_dtype: str = "auto"
-    """vLLM's KV-cache dtype: only "auto", the cache in the model's activation dtype (float32 or
-    bfloat16); fp8 and other cache dtypes are refused."""
+    """vLLM's KV-cache dtype: "auto", the cache in the model's activation dtype (float32 or
+    bfloat16), or "bfloat16": a float32 model's cache at half the bytes (K and V rounded to
+    bfloat16 as they are written; attention reads them widened to float32). fp8 and other cache
+    dtypes are refused."""
 
     def __post_init__(self) -> None:
         _check(
@@ -71,10 +78,10 @@ class CacheConfig:
             f"num_blocks_override={self.num_blocks_override!r} must be >= 1",
         )
         _check(
-            self.kv_cache_dtype == "auto",
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache is kept in "
-            f"the model's activation dtype (set by dtype=, float32 or bfloat16); pass "
-            f"kv_cache_dtype='auto' or leave it out",
+            f"the model's activation dtype ('auto', set by dtype=: float32 or bfloat16) or in "
+            f"bfloat16; pass kv_cache_dtype='auto' (or leave it out) or 'bfloat16'",
         )
 
 
@@ -144,6 +151,14 @@ class EngineConfig:
     lora_dtype size them); a request naming an adapter is refused without it."""
     lora_config: LoRAConfig | None = None
     """Built from the LoRA options when enable_lora is set; None otherwise."""
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's activation dtype, or bfloat16 where
+        kv_cache_dtype asks it."""
+        if self.cache_config.kv_cache_dtype == "bfloat16":
+            return torch.bfloat16
+        return self.model_config.torch_dtype
 
     @property
     def virtual_block_size(self) -> int:
@@ -228,6 +243,9 @@ def _check_context_parallel(config: EngineConfig) -> None:
     _check(not config.enable_lora,
            f"LoRA (enable_lora=True) is not supported with context parallelism yet ({sizes}); "
            f"drop enable_lora or set both sizes to 1")
+    _check(config.cache_config.kv_cache_dtype == "auto",
+           f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r} is not supported with context "
+           f"parallelism yet ({sizes}); use kv_cache_dtype='auto' or set both sizes to 1")
     _check(not config.model_config.is_pooling or pc.prefill_context_parallel_size == 1,
            f"runner='pooling' is not supported with prefill_context_parallel_size="
            f"{pc.prefill_context_parallel_size} (pooling reads every prompt position on one "

@@ -300,12 +300,13 @@ def paged_attention(
 
 
 def write_kv(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
-    """Row i of kv [N, 2, Hkv, D] into cache slot slots[i]."""
+    """Row i of kv [N, 2, Hkv, D] into cache slot slots[i] (rounded to the cache's dtype where
+    it is narrower: kv_cache_dtype="bfloat16" under float32)."""
     if native_kernels.supports(kv.dtype, kv.device) and kv[0].is_contiguous():
         native_kernels.cache_write(kv_cache, kv, slots)
     else:
         flat_cache = kv_cache.view(-1, *kv_cache.shape[2:])  # [slots, 2, Hkv, D]
-        flat_cache.index_copy_(0, slots, kv)
+        flat_cache.index_copy_(0, slots, kv.to(flat_cache.dtype))
 
 
 def attend(
@@ -350,6 +351,7 @@ def _attend_group(
     # [B*Q, H, D] -> [B, Hkv, Q*G, D]: the G heads sharing a KV head become extra query rows.
     qg = q.view(b, nq, num_kv, group, head_dim).transpose(1, 2).reshape(b, num_kv, nq * group, -1)
     ctx = kv_cache.index_select(0, g.blocks).view(b, g.max_context, 2, num_kv, head_dim)
+    ctx = ctx.to(q.dtype)  # a bfloat16 cache under float32 q: its values, widened (else a no-op)
     k = ctx[:, :, 0].transpose(1, 2)
     v = ctx[:, :, 1].transpose(1, 2)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_gqa_mask(g, group, qg.dtype))

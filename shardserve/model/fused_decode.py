@@ -66,7 +66,7 @@ class _Step(ctypes.Structure):
                                    "rope_table", "x", "residual", "h", "qkv", "attn",
                                    "gate_up", "act")] + \
         [("eps", _f32), ("scale", _f32), ("dtype", _i32), ("has_residual", _i32),
-         ("num_threads", _i32), ("unused", _i32), ("lora_slots", _ptr)]
+         ("num_threads", _i32), ("kv_dtype", _i32), ("lora_slots", _ptr)]
 
 
 def _matrix(layer: MatmulLayer, dtype: torch.dtype) -> _Matrix | None:
@@ -187,7 +187,7 @@ class FusedDecode:
             *(t.data_ptr() for t in index_tensors), rope_table.data_ptr(), x.data_ptr(),
             out_residual.data_ptr(), *(t.data_ptr() for t in scratch),
             self.eps, self.head_dim**-0.5, _DTYPES[self.dtype], int(residual is not None),
-            torch.get_num_threads(), 0, self._lora_slots(b),
+            torch.get_num_threads(), _DTYPES[kv_caches[0].dtype], self._lora_slots(b),
         )
         rc = native_kernels.lib().decode_layers(self.table, self.num_layers, ctypes.byref(step))
         if rc:
@@ -224,9 +224,12 @@ class FusedDecode:
         if ptrs == self._cache_ptrs:
             return
         slot = 2 * self.kv_heads * self.head_dim
+        # The caches in the activations' dtype, or bfloat16 under float32 (kv_cache_dtype).
+        kv_dtypes = {self.dtype, torch.bfloat16} if self.dtype == torch.float32 else {self.dtype}
         for cache in kv_caches:
-            if cache.dtype != self.dtype or not cache.is_contiguous() or \
-                    cache[0, 0].numel() != slot or cache.device.type != "cpu":
+            if cache.dtype not in kv_dtypes or cache.dtype != kv_caches[0].dtype or \
+                    not cache.is_contiguous() or cache[0, 0].numel() != slot or \
+                    cache.device.type != "cpu":
                 raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not fit "
                                  f"the fused decode path ({self.dtype}, {slot} per slot)")
         if len(ptrs) != self.num_layers:

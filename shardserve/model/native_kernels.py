@@ -141,11 +141,11 @@ def _declare(lib: ctypes.CDLL, strict: bool = True) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "decode_attention": [ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                             f32, i32, i32],
+                             f32, i32, i32, i32],
         "rms_norm": [ptr, ptr, i64, ptr, ptr, i64, i64, f32, i32, i32],
         "rope_inplace": [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
-        "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32],
+        "cache_write": [ptr, ptr, i64, ptr, i64, i64, i32, i32],
         "apply_token_bitmask": [ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "quant_matmul": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
         "quant_gemm": [ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i64, i64, i64, i32],
@@ -190,8 +190,9 @@ def decode_attention(
 
     q: [T, H, D] with unit stride inside a row (rows may be strided, e.g. a view into qkv);
     request r's query is row q_rows[r] (default r). kv_cache: [num_blocks, block_size, 2, Hkv, D]
-    contiguous. block_table: int64 [B, W] contiguous rows; seq_lens: int64 [B], context lengths
-    including this step's token, whose K/V must already be in the cache.
+    contiguous, in q's dtype or bfloat16 under float32 q (kv_cache_dtype="bfloat16").
+    block_table: int64 [B, W] contiguous rows; seq_lens: int64 [B], context lengths including
+    this step's token, whose K/V must already be in the cache.
     """
     lib = _lib()
     _, num_heads, head_dim = q.shape
@@ -199,7 +200,7 @@ def decode_attention(
     b = block_table.shape[0]
     if q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous():
         raise ValueError("decode_attention needs unit-stride query rows and a contiguous cache")
-    if two != 2 or kv_dim != head_dim or num_heads % num_kv or q.dtype != kv_cache.dtype:
+    if two != 2 or kv_dim != head_dim or num_heads % num_kv or not _kv_dtype_ok(q, kv_cache):
         raise ValueError(f"shape/dtype mismatch: q {tuple(q.shape)} {q.dtype}, "
                          f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     _check_int64(block_table=block_table, seq_lens=seq_lens, q_rows=q_rows)
@@ -211,10 +212,16 @@ def decode_attention(
         out.data_ptr(), q.data_ptr(), _ptr(q_rows), q.stride(0), kv_cache.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), b, num_heads,
         num_kv, head_dim, block_size, head_dim**-0.5 if scale is None else scale,
-        _DTYPES[q.dtype], torch.get_num_threads(),
+        _DTYPES[q.dtype], _DTYPES[kv_cache.dtype], torch.get_num_threads(),
     )
     _check(rc, "decode_attention")
     return out
+
+
+def _kv_dtype_ok(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The cache in x's dtype, or bfloat16 under float32 x: the pairs the kernels take."""
+    return kv_cache.dtype == x.dtype or (x.dtype == torch.float32
+                                         and kv_cache.dtype == torch.bfloat16)
 
 
 def _check_int64(**indices: torch.Tensor | None) -> None:
@@ -278,21 +285,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache.view(slots, -1)[slot_mapping] = kv, for kv [T, 2, Hkv, D] whose rows are dense
-    (a view into qkv is fine) and a contiguous cache [num_blocks, block_size, 2, Hkv, D]."""
+    (a view into qkv is fine) and a contiguous cache [num_blocks, block_size, 2, Hkv, D] in kv's
+    dtype (or bfloat16 under float32 kv: the rows rounded to nearest even)."""
     lib = _lib()
     t, slot_elems = kv.shape[0], kv[0].numel()
     if (
         not kv_cache.is_contiguous()
         or not kv[0].is_contiguous()
-        or kv.dtype != kv_cache.dtype
+        or not _kv_dtype_ok(kv, kv_cache)
         or kv_cache[0, 0].numel() != slot_elems
     ):
         raise ValueError("cache_write needs a contiguous cache, dense kv rows of one slot's size "
-                         "and equal dtypes")
+                         f"and the cache in kv's dtype or bfloat16 (kv {kv.dtype}, cache "
+                         f"{kv_cache.dtype})")
     _check_int64(slot_mapping=slot_mapping)
     slot_mapping = slot_mapping.contiguous()
     rc = lib.cache_write(kv_cache.data_ptr(), kv.data_ptr(), kv.stride(0), slot_mapping.data_ptr(),
-                         t, slot_elems, _DTYPES[kv.dtype])
+                         t, slot_elems, _DTYPES[kv.dtype], _DTYPES[kv_cache.dtype])
     _check(rc, "cache_write")
 
 

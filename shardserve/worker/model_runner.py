@@ -63,6 +63,7 @@ class ModelRunner:
         self.device = device
         self.arch = config.model_config.arch
         self.dtype = config.model_config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype
         self.block_size = config.cache_config.block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[torch.Tensor] | None = None
@@ -123,7 +124,8 @@ class ModelRunner:
     def kv_cache_block_bytes(self) -> int:
         model = self._require_model()
         return kv_cache_bytes_per_block(
-            model.num_layers, self.block_size, self._cache_kv_heads(), model.head_dim, self.dtype
+            model.num_layers, self.block_size, self._cache_kv_heads(), model.head_dim,
+            self.kv_dtype,
         )
 
     def _cache_kv_heads(self) -> int:
@@ -141,7 +143,7 @@ class ModelRunner:
             kv_cache_config.block_size,
             self._cache_kv_heads(),
             model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 
@@ -159,7 +161,7 @@ class ModelRunner:
         )
         # Its own small cache: a DCP rank's holds its group's heads, not the layers' own.
         cache = allocate_kv_cache(model.num_layers, 1, self.block_size, model.local_num_kv_heads,
-                                  model.head_dim, self.dtype, self.device)
+                                  model.head_dim, self.kv_dtype, self.device)
         hidden = model(ids, meta, cache, pair)
         if model.is_last:
             model.compute_logits(hidden[meta.logits_indices])

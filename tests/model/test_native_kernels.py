@@ -124,6 +124,36 @@ def test_decode_attention_splits_contexts_when_requests_are_fewer_than_threads(
     torch.testing.assert_close(split, whole, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 12), (16, 2, 128)])
+@pytest.mark.parametrize(("threads", "seq_lens"), [(2, [700]), (2, [33, 1, 90])])
+def test_decode_attention_reads_a_bfloat16_cache_under_float32_queries(
+    kernels, heads, kv_heads, head_dim, threads, seq_lens
+) -> None:
+    """kv_cache_dtype="bfloat16": float32 queries and outputs over a bfloat16 cache. Every
+    version widens the cache's values exactly and computes as over a float32 cache, so the output
+    equals the same kernel's over that cache widened to float32, bit for bit, in whole contexts
+    and in split ones (one request on 2 threads); and it meets the reference."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    bs, b = 16, len(seq_lens)
+    width = -(-max(seq_lens) // bs)
+    cache = torch.randn(b * width + 2, bs, 2, kv_heads, head_dim, generator=gen)
+    cache = cache.to(torch.bfloat16)
+    block_table = torch.randperm(b * width + 2, generator=gen)[: b * width].view(b, width)
+    q = torch.randn(b, heads, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = nk.decode_attention(q, cache, block_table, lens)
+        widened = nk.decode_attention(q, cache.float(), block_table, lens)
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, widened)
+    torch.testing.assert_close(out, reference_decode(q, cache, block_table, lens),
+                               **TOL[torch.float32])
+
+
 def hf_rms_norm(x, weight, eps):
     """transformers' LlamaRMSNorm: float32 statistics, cast back, then times the weight."""
     xf = x.float()
@@ -191,6 +221,20 @@ def test_cache_write_matches_index_copy(kernels, dtype) -> None:
     assert torch.equal(cache, expected)
 
 
+def test_cache_write_rounds_float32_rows_into_a_bfloat16_cache(kernels) -> None:
+    """kv_cache_dtype="bfloat16": the step's float32 K/V rows land rounded to nearest even, as
+    torch rounds (the values a bfloat16 model's cache would hold)."""
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(8, 4, 2, 3, 16, generator=gen).to(torch.bfloat16)
+    expected = cache.clone()
+    qkv = torch.randn(5, 9 * 16 + 2 * 3 * 16, generator=gen)
+    kv = qkv[:, 9 * 16 :].view(5, 2, 3, 16)
+    slots = torch.tensor([31, 0, 5, 6, 17])
+    expected.view(-1, 2, 3, 16).index_copy_(0, slots, kv.to(torch.bfloat16))
+    nk.cache_write(cache, kv, slots)
+    assert torch.equal(cache, expected)
+
+
 def _bitmask_case(vocab: int):
     """A random bitmask (one row all-allowed), logits, the rows it masks, and the expected."""
     gen = np.random.default_rng(vocab)
@@ -238,6 +282,13 @@ def test_bad_layouts_are_refused() -> None:
         )
     with pytest.raises(ValueError, match="one slot's size"):
         nk.cache_write(cache, torch.zeros(3, 2, 1, 16), torch.zeros(3, dtype=torch.long))
+    # A cache wider than the rows (float32 under bfloat16) is no pair the kernels take.
+    with pytest.raises(ValueError, match="kv torch.bfloat16, cache torch.float32"):
+        nk.cache_write(cache, torch.zeros(3, 2, 2, 16, dtype=torch.bfloat16),
+                       torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        nk.decode_attention(torch.zeros(2, 4, 16, dtype=torch.bfloat16), cache,
+                            torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
 
 
 def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog) -> None:

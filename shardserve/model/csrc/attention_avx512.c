@@ -161,7 +161,7 @@ int decode_span_avx512(float *scratch, const void *q, const void *cache, const i
     const size_t esize = dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * Hkv * D * esize;
     float *qf = scratch, *acc = qf + H * D, *m = acc + H * D, *l = m + H, *s = l + H;
 #if defined(__AVX512BF16__)
-    const int use_dp = dtype == DT_BF16 && D % 32 == 0;
+    const int use_dp = dtype == DT_BF16 && D % 32 == 0 && q != NULL; /* q: bfloat16 too */
 #endif
     int64_t cnt;
     for (int64_t start = s0; start < s1; start += cnt) {

@@ -324,14 +324,22 @@ int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype) {
 /*
  * Write this step's K/V into the paged cache: row t of src (src_row_stride elements apart;
  * slot_elems = 2 * Hkv * D elements, K then V, the cache's own slot layout) goes to slot
- * slots[t]. Small (one slot per token), so one thread and plain copies.
+ * slots[t]. Small (one slot per token), so one thread and plain copies. src is in `dtype`, the
+ * cache in `cache_dtype`: the same, or float32 rows into a bfloat16 cache (kv_cache_dtype
+ * "bfloat16"); -2 for any other pair.
  */
 int cache_write(void *cache, const void *src, int64_t src_row_stride, const int64_t *slots,
-                int64_t T, int64_t slot_elems, int dtype) {
-    const size_t esize = dtype == DT_F32 ? 4 : 2, bytes = (size_t)slot_elems * esize;
-    for (int64_t t = 0; t < T; t++)
-        memcpy((char *)cache + (size_t)slots[t] * bytes,
-               (const char *)src + (size_t)(t * src_row_stride) * esize, bytes);
+                int64_t T, int64_t slot_elems, int dtype, int cache_dtype) {
+    const size_t esize = dtype == DT_F32 ? 4 : 2, cesize = cache_dtype == DT_F32 ? 4 : 2;
+    if (cache_dtype != dtype && !(dtype == DT_F32 && cache_dtype == DT_BF16)) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        void *dst = (char *)cache + (size_t)slots[t] * slot_elems * cesize;
+        const void *row = (const char *)src + (size_t)(t * src_row_stride) * esize;
+        if (cache_dtype == dtype)
+            memcpy(dst, row, (size_t)slot_elems * esize);
+        else /* float32 rows into a bfloat16 cache, rounded to nearest even */
+            store_f32(dst, row, slot_elems, DT_BF16);
+    }
     return 0;
 }
 

@@ -12,6 +12,11 @@
  *          whose K/V must already be written)
  *   out    [B, H, D] dense
  *
+ * q and out are in `dtype`, the cache in `kv_dtype` (DT_F32 / DT_BF16: a bfloat16 cache under
+ * float32 activations, kv_cache_dtype="bfloat16", halves its bytes); every version reads the
+ * cache's elements as float32, and takes the bfloat16 dot products from the raw q only where
+ * q is bfloat16 too.
+ *
  * Query head h reads KV head h / (H / Hkv). A task runs one pass over a span of a request's
  * context in order with an online softmax (as flash-decoding does; the versions are
  * attention_common.h's decode_span_*): a step of slots at a time, the scores of every head, then
@@ -51,13 +56,15 @@ static int64_t scratch_floats(int64_t H, int64_t D) { return 2 * H * D + 2 * H +
 /* Request `qr`'s slots [s0, s1) into buf (qf, acc, m, l, left unnormalised). */
 static void attend_span(float *buf, const void *qr, const void *cache, const int64_t *blocks,
                         int64_t s0, int64_t s1, int64_t H, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, int dtype) {
+                        int64_t block_size, float scale, int dtype, int kv_dtype) {
     float *qf = buf, *acc = qf + H * D, *m = acc + H * D, *l = m + H;
     start_request(qf, acc, m, l, qr, H, D, scale, dtype);
-    if (decode_span_avx512(buf, qr, cache, blocks, s0, s1, H, Hkv, D, block_size, scale, dtype))
+    /* The raw q only where it is in the cache's dtype (the AVX-512 bfloat16 dot products). */
+    if (decode_span_avx512(buf, dtype == kv_dtype ? qr : NULL, cache, blocks, s0, s1, H, Hkv, D,
+                           block_size, scale, kv_dtype))
         return;
-    if (decode_span_avx2(buf, cache, blocks, s0, s1, H, Hkv, D, block_size, dtype)) return;
-    decode_span_scalar(buf, cache, blocks, s0, s1, H, Hkv, D, block_size, dtype);
+    if (decode_span_avx2(buf, cache, blocks, s0, s1, H, Hkv, D, block_size, kv_dtype)) return;
+    decode_span_scalar(buf, cache, blocks, s0, s1, H, Hkv, D, block_size, kv_dtype);
 }
 
 /* How many spans each request's context is split into (1: not split). */
@@ -83,7 +90,7 @@ typedef struct { /* decode_attention's arguments */
     const int64_t *q_rows, *block_table, *seq_lens;
     int64_t q_row_stride, bt_stride, B, H, Hkv, D, block_size;
     float scale;
-    int dtype, num_threads;
+    int dtype, kv_dtype, num_threads;
 } decode_args;
 
 static const void *query_of(const decode_args *a, int64_t r) {
@@ -95,13 +102,14 @@ static const void *query_of(const decode_args *a, int64_t r) {
 /* Request r's whole context into out, with buf as its scratch. */
 static void whole_request(const decode_args *a, int64_t r, float *buf) {
     const int64_t H = a->H, D = a->D;
-    const size_t esize = a->dtype == DT_F32 ? 4 : 2, slot_bytes = 2 * a->Hkv * D * esize;
+    const size_t esize = a->dtype == DT_F32 ? 4 : 2;
+    const size_t slot_bytes = 2 * a->Hkv * D * (a->kv_dtype == DT_F32 ? 4 : 2);
     const int64_t next = r + a->num_threads;
     if (next < a->B)
         decode_prefetch_start(a->cache, a->block_table + next * a->bt_stride, a->seq_lens[next],
                               a->block_size, slot_bytes);
     attend_span(buf, query_of(a, r), a->cache, a->block_table + r * a->bt_stride, 0,
-                a->seq_lens[r], H, a->Hkv, D, a->block_size, a->scale, a->dtype);
+                a->seq_lens[r], H, a->Hkv, D, a->block_size, a->scale, a->dtype, a->kv_dtype);
     finish_request((char *)a->out + (size_t)(r * H * D) * esize, buf + H * D,
                    buf + 2 * H * D + H, H, D, a->dtype);
 }
@@ -144,7 +152,7 @@ static int split_requests(const decode_args *a, int64_t parts) {
         int64_t s0, s1;
         span_of(a->seq_lens[r], p, parts, &s0, &s1);
         attend_span(buf, query_of(a, r), a->cache, a->block_table + r * a->bt_stride, s0, s1, H,
-                    a->Hkv, D, a->block_size, a->scale, a->dtype);
+                    a->Hkv, D, a->block_size, a->scale, a->dtype, a->kv_dtype);
         for (int64_t h = 0; h < H; h++) {
             const int64_t n = p * N + r * H + h;
             lses[n] = l[h] > 0.f ? m[h] + logf(l[h]) : -INFINITY;
@@ -161,9 +169,11 @@ static int split_requests(const decode_args *a, int64_t parts) {
 int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
                      const void *cache, const int64_t *block_table, int64_t bt_stride,
                      const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t block_size, float scale, int dtype, int num_threads) {
+                     int64_t block_size, float scale, int dtype, int kv_dtype,
+                     int num_threads) {
     const decode_args a = {out,  q, cache, q_rows, block_table, seq_lens, q_row_stride,
-                           bt_stride, B, H, Hkv, D, block_size, scale, dtype, num_threads};
+                           bt_stride, B, H, Hkv, D, block_size, scale, dtype, kv_dtype,
+                           num_threads};
     const int64_t parts = span_parts(seq_lens, B, num_threads);
     return parts > 1 ? split_requests(&a, parts) : whole_requests(&a);
 }

@@ -74,7 +74,7 @@ typedef struct {
     void *x, *residual;      /* [B, hidden] each: in and out */
     void *h, *qkv, *attn, *gate_up, *act; /* scratch */
     float eps, scale;
-    int32_t dtype, has_residual, num_threads, unused;
+    int32_t dtype, has_residual, num_threads, kv_dtype; /* kv_dtype: the caches' */
     const int32_t *lora_slots; /* [B] adapter slot per row (-1: none); NULL: no adapters */
 } dl_step_t;
 
@@ -121,11 +121,12 @@ static int attention_half(const dl_layer_t *L, const dl_step_t *s, int first) {
     if ((rc = add_lora(&L->lora_qkv, s, s->qkv, qkv_n, s->h, s->hidden))) return rc;
     rope_inplace(s->qkv, qkv_n, s->positions, s->rope_table, B, s->heads + s->kv_heads, D, dt,
                  thr);
-    cache_write(L->kv_cache, (char *)s->qkv + (size_t)(s->heads * D) * es, qkv_n, s->slots, B,
-                2 * s->kv_heads * D, dt);
+    rc = cache_write(L->kv_cache, (char *)s->qkv + (size_t)(s->heads * D) * es, qkv_n, s->slots,
+                     B, 2 * s->kv_heads * D, dt, s->kv_dtype);
+    if (rc) return rc;
     rc = decode_attention(s->attn, s->qkv, NULL, qkv_n, L->kv_cache, s->block_table,
                           s->bt_stride, s->seq_lens, B, s->heads, s->kv_heads, D, s->block_size,
-                          s->scale, dt, thr);
+                          s->scale, dt, s->kv_dtype, thr);
     if (rc) return rc;
     rc = matmul(&L->o, s, s->x, s->hidden, s->attn, s->heads * D);
     return rc ? rc : add_lora(&L->lora_o, s, s->x, s->hidden, s->attn, s->heads * D);

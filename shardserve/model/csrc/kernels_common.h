@@ -122,7 +122,8 @@ ALWAYS_INLINE __m256 exp8(__m256 x) {
 int decode_attention(void *out, const void *q, const int64_t *q_rows, int64_t q_row_stride,
                      const void *cache, const int64_t *block_table, int64_t bt_stride,
                      const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     int64_t block_size, float scale, int dtype, int num_threads);
+                     int64_t block_size, float scale, int dtype, int kv_dtype,
+                     int num_threads);
 
 /* cpu_kernels.c */
 int rms_norm(void *out, const void *x, int64_t x_stride, void *residual, const void *weight,
@@ -131,7 +132,7 @@ int rope_inplace(void *x, int64_t row_stride, const int64_t *positions, const fl
                  int64_t T, int64_t heads, int64_t D, int dtype, int num_threads);
 int silu_mul(void *out, const void *gate_up, int64_t T, int64_t I, int dtype, int num_threads);
 int cache_write(void *cache, const void *src, int64_t src_row_stride, const int64_t *slots,
-                int64_t T, int64_t slot_elems, int dtype);
+                int64_t T, int64_t slot_elems, int dtype, int cache_dtype);
 int add_bias(void *out, const void *bias, int64_t T, int64_t N, int dtype);
 
 /* cp_attention.c: the exact merge of partial attention outputs by their log-sum-exp */
