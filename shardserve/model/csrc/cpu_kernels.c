@@ -27,12 +27,6 @@
  * preempted (an mp worker shares the cores with the engine process). */
 #define PARALLEL_MIN (64 * 1024)
 
-#if defined(__AVX512F__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-
 /*
  * RMSNorm of T rows of N elements, with an optional residual add first (HF Llama semantics):
  *
@@ -333,12 +327,10 @@ int cache_write(void *cache, const void *src, int64_t src_row_stride, const int6
     const size_t esize = dtype == DT_F32 ? 4 : 2, cesize = cache_dtype == DT_F32 ? 4 : 2;
     if (cache_dtype != dtype && !(dtype == DT_F32 && cache_dtype == DT_BF16)) return -2;
     for (int64_t t = 0; t < T; t++) {
-        void *dst = (char *)cache + (size_t)slots[t] * slot_elems * cesize;
-        const void *row = (const char *)src + (size_t)(t * src_row_stride) * esize;
-        if (cache_dtype == dtype)
-            memcpy(dst, row, (size_t)slot_elems * esize);
-        else /* float32 rows into a bfloat16 cache, rounded to nearest even */
-            store_f32(dst, row, slot_elems, DT_BF16);
+        char *dst = (char *)cache + (size_t)slots[t] * slot_elems * cesize;
+        const char *row = (const char *)src + (size_t)(t * src_row_stride) * esize;
+        if (cache_dtype == dtype) memcpy(dst, row, (size_t)slot_elems * esize);
+        else store_f32(dst, (const float *)row, slot_elems, DT_BF16); /* nearest even */
     }
     return 0;
 }

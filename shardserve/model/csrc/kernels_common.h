@@ -48,6 +48,12 @@ ALWAYS_INLINE __m256 load8_act(const void *p, int dtype) {
 #endif
 
 #if defined(__AVX512F__)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#if defined(__AVX512F__)
 /* 16 elements at p (float32 or bfloat16) as float32. */
 ALWAYS_INLINE __m512 load16(const void *p, int dtype) {
     if (dtype == DT_F32) return _mm512_loadu_ps(p);
