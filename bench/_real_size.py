@@ -62,7 +62,7 @@ def shardserve_cold_start(model: str, options: dict, env: dict[str, str],
     """`shardserve generate "Hi" --max-tokens 1` with the side's flags: spawn to first output."""
     script = Path(sys.executable).with_name("shardserve")
     base = [str(script)] if script.exists() else [sys.executable, "-m", "shardserve"]
-    flags = [f"--{k}={v}" for k, v in options.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     return first_line_time([*base, "generate", "Hi", "--max-tokens", "1", "--model", model,
                             *flags, *extra], "--- output 1", env)
 

@@ -54,6 +54,12 @@ def kv_bytes(model: str, dtype: str, tokens: int) -> int:
     return per_token * tokens * resolve_dtype(dtype, "cpu").itemsize
 
 
+def kv_dtype(options: dict) -> str:
+    """The cache's dtype under a side's options (kv_cache_dtype, else the model's)."""
+    kv = options.get("kv_cache_dtype", "auto")
+    return options.get("dtype", "auto") if kv == "auto" else kv
+
+
 def window_rate(outs: list, steps: int) -> tuple[float, float]:
     """(B x steps / decode window, spread of the first tokens as a share of the window)."""
     firsts = [o.metrics.first_token_time for o in outs]
@@ -75,7 +81,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model, max_model_len=max(pp, npp + ntg, tg) + 2 * block, max_num_seqs=most,
               max_num_batched_tokens=max(pp, most * npp), enable_prefix_caching=False,
-              kv_cache_memory_bytes=kv_bytes(model, options.get("dtype", "auto"), tokens),
+              kv_cache_memory_bytes=kv_bytes(model, kv_dtype(options), tokens),
               **options)
     load_s = time.perf_counter() - t0
     rss = tree_mb("VmRSS")

@@ -1,7 +1,8 @@
 """shardserve (each quantization) against llama.cpp on the same GGUF file, on this CPU, in one run.
 
     python bench/cpu_vs_llamacpp.py [--rounds 3] [--model PATH.gguf] [--threads 2]
-        [--sides gguf,gguf-layerwise,gguf-nodense,gguf-x8,gguf-noamx,none-bf16,none-f32,int8]
+        [--sides gguf,gguf-layerwise,gguf-nodense,gguf-x8,gguf-noamx,gguf-kvbf16,none-bf16,
+                 none-f32,int8]
         [--isa native|avx2|portable] [--llama-python PATH] [--llama-requests 4]
     python bench/cpu_vs_llamacpp.py --llama-bin /tmp/llamacpp --model /tmp/gguf/llama-1b-q4km.gguf
         [--isa native|avx2] [--sides gguf,gguf-nodense] [--batches 1,8,32] [--plot out.png]
@@ -66,12 +67,15 @@ SIDES = {  # side -> LLM / CLI options
     "gguf-nodense": {"quantization": "gguf", "dtype": "auto"},
     "gguf-x8": {"quantization": "gguf", "dtype": "auto"},
     "gguf-noamx": {"quantization": "gguf", "dtype": "auto"},
+    "gguf-kvbf16": {"quantization": "gguf", "dtype": "auto", "kv_cache_dtype": "bfloat16"},
 }
 # Sides that differ by a tuning knob: gguf with its decode steps layer by layer from Python
 # instead of one C call through the stack (model/fused_decode.py), to show what that call gains.
 # gguf-nodense: without the dense weight copy that steps of 4+ rows use (matmul_layer.py).
 # gguf-x8: the row kernels with int8 activations (csrc/quant_rows_int8.c; opt-in, less precise).
 # gguf-noamx: the GEMM's bfloat16 products on AVX-512 where AMX would take them (quant_gemm_amx.c).
+# gguf-kvbf16: gguf with its KV cache in bfloat16 (kv_cache_dtype; float32 activations' cache at
+# half the bytes).
 SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"},
             "gguf-nodense": {"SHARDSERVE_QUANT_DENSE_BATCHES": "0"},
             "gguf-x8": {"SHARDSERVE_INT8_ACTIVATIONS": "1"},
