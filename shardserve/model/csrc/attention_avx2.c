@@ -138,11 +138,18 @@ ALWAYS_INLINE void span_steps(float *scratch, const void *cache, const int64_t *
             for (size_t off = 0; off < (size_t)next * slot_bytes; off += 64)
                 _mm_prefetch(n1 + off, _MM_HINT_T1);
         }
-        for (int64_t h = 0; h < H; h++) {
-            const __m256 sv = head_scores(qf + h * D, slot0 + (size_t)((h / G) * D) * esize, cnt,
-                                          D, slot_bytes, dtype, esize);
-            fold(sv, cnt, p + h * STEP, m + h, l + h, acc + h * D, D);
-        }
+        /* Every head's scores first, then the folds: each fold is a chain of dependent steps
+         * (max, exp, sum), and folds of different heads in a row overlap out of order. Zen 3,
+         * 2 threads, libraries alternating, bit-identical: caches in L3 1.06-1.2x; caches past
+         * it (400 MB cycled) float32 1.00-1.05x, bfloat16 1.10-1.18x (B=8 x 1,500 slots of
+         * 32 / 8 heads, B=64 x 192 and B=1 x 3,000 of 9 / 3). (The G heads of a KV head
+         * scored together, each K row loaded once for them: 0.84-1.0x, not kept.) */
+        for (int64_t h = 0; h < H; h++)
+            _mm256_storeu_ps(p + h * STEP, head_scores(qf + h * D,
+                                                       slot0 + (size_t)((h / G) * D) * esize,
+                                                       cnt, D, slot_bytes, dtype, esize));
+        for (int64_t h = 0; h < H; h++)
+            fold(_mm256_loadu_ps(p + h * STEP), cnt, p + h * STEP, m + h, l + h, acc + h * D, D);
         for (int64_t kvh = 0; kvh < Hkv; kvh++)
             values(acc + kvh * G * D, p + kvh * G * STEP, slot0 + (size_t)((Hkv + kvh) * D) * esize,
                    cnt, D, slot_bytes, dtype, esize, G);
