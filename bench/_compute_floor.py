@@ -16,6 +16,7 @@ need of them: the floor behind a batched target that is not met.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +35,9 @@ def build_floor(isa: str) -> Path | None:
     march = MARCH.get(isa)
     if march is None or shutil.which("gcc") is None:
         return None
-    binary = Path(tempfile.mkdtemp(prefix="shardserve-floor-")) / f"int8_gemm_floor-{isa}"
+    folder = tempfile.mkdtemp(prefix="shardserve-floor-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    binary = Path(folder) / f"int8_gemm_floor-{isa}"
     subprocess.run(["gcc", "-O3", f"-march={march}", "-fopenmp", str(SOURCE), "-o",
                     str(binary)], check=True, capture_output=True, text=True, timeout=300)
     return binary

@@ -144,12 +144,11 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
     # sequential rate): llama.cpp's is its llama-bench tg.
     widest = f"B={shape['batches'][-1]}"
     if has_llama:
-        for name in names:
+        for name in (n for n in names if n != LLAMA):
             for col in dict.fromkeys((b1, widest)):
-                if name != LLAMA:
-                    per = samples.ratios((name, col), (LLAMA, tg))
-                    print(f"{name:<14}{col} over llama.cpp's {tg}: {median_or_nan(per):.2f}x "
-                          f"({spread(per)})")
+                per = samples.ratios((name, col), (LLAMA, tg))
+                print(f"{name:<14}{col} over llama.cpp's {tg}: {median_or_nan(per):.2f}x "
+                      f"({spread(per)})")
     bw = samples.values((MACHINE, "GB/s"))
     bounds = [g * 1e9 / bytes_per_token for g in bw]
     print(f"\nbatch 1: {bytes_per_token / 1e6:.1f} MB of weights read per token (file tensors, "

@@ -224,10 +224,9 @@ class FusedDecode:
         if ptrs == self._cache_ptrs:
             return
         slot = 2 * self.kv_heads * self.head_dim
-        # The caches in the activations' dtype, or bfloat16 under float32 (kv_cache_dtype).
-        kv_dtypes = {self.dtype, torch.bfloat16} if self.dtype == torch.float32 else {self.dtype}
         for cache in kv_caches:
-            if cache.dtype not in kv_dtypes or cache.dtype != kv_caches[0].dtype or \
+            if not native_kernels.kv_dtype_ok(self.dtype, cache.dtype) or \
+                    cache.dtype != kv_caches[0].dtype or \
                     not cache.is_contiguous() or cache[0, 0].numel() != slot or \
                     cache.device.type != "cpu":
                 raise ValueError(f"KV cache {tuple(cache.shape)} {cache.dtype} does not fit "

@@ -200,7 +200,8 @@ def decode_attention(
     b = block_table.shape[0]
     if q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous():
         raise ValueError("decode_attention needs unit-stride query rows and a contiguous cache")
-    if two != 2 or kv_dim != head_dim or num_heads % num_kv or not _kv_dtype_ok(q, kv_cache):
+    if two != 2 or kv_dim != head_dim or num_heads % num_kv or \
+            not kv_dtype_ok(q.dtype, kv_cache.dtype):
         raise ValueError(f"shape/dtype mismatch: q {tuple(q.shape)} {q.dtype}, "
                          f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     _check_int64(block_table=block_table, seq_lens=seq_lens, q_rows=q_rows)
@@ -218,10 +219,10 @@ def decode_attention(
     return out
 
 
-def _kv_dtype_ok(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The cache in x's dtype, or bfloat16 under float32 x: the pairs the kernels take."""
-    return kv_cache.dtype == x.dtype or (x.dtype == torch.float32
-                                         and kv_cache.dtype == torch.bfloat16)
+def kv_dtype_ok(act_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """The cache in the activations' dtype, or bfloat16 under float32: the pairs the kernels
+    (decode_attention, cache_write, the fused decode step) take."""
+    return kv_dtype == act_dtype or (act_dtype == torch.float32 and kv_dtype == torch.bfloat16)
 
 
 def _check_int64(**indices: torch.Tensor | None) -> None:
@@ -292,7 +293,7 @@ def cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Te
     if (
         not kv_cache.is_contiguous()
         or not kv[0].is_contiguous()
-        or not _kv_dtype_ok(kv, kv_cache)
+        or not kv_dtype_ok(kv.dtype, kv_cache.dtype)
         or kv_cache[0, 0].numel() != slot_elems
     ):
         raise ValueError("cache_write needs a contiguous cache, dense kv rows of one slot's size "
