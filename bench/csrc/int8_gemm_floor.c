@@ -22,7 +22,7 @@
  *   i16-vnni    int16 x and panel, vpdpwssd (AVX-512 VNNI), no scales (the tiles' precision)
  *   i16-vnni-32 the same with the float step per 32 columns
  *
- *   gcc -O3 -march=native -fopenmp bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
+ *   gcc -O3 -march=native -fopenmp [-DFLOOR_UNROLL] bench/csrc/int8_gemm_floor.c -o /tmp/int8_floor
  *   /tmp/int8_floor [THREADS]  prints GMAC/s per kind (kinds this CPU lacks are skipped), at
  *                              THREADS threads (default 2)
  * (bench/_compute_floor.py runs it beside the real-size table, built at the bench's --isa.)
@@ -34,6 +34,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* -DFLOOR_UNROLL: every inner loop unrolled 4 times, as the engine's micro-kernels are (gcc leaves
+ * them rolled at -O3). On Zen 3 that moved loops 1.3-1.5x either way (i16-avx2-256, the engine's
+ * shape: 86 -> 129 GMAC/s at 2 threads; i16-4x16-32: 99 -> 80), so the bench builds and runs
+ * both and takes each kind's best. */
+#ifdef FLOOR_UNROLL
+#define UNROLLED _Pragma("GCC unroll 4")
+#else
+#define UNROLLED
+#endif
 
 #define B 36 /* whole blocks of 4 and of 6 rows: every loop's bounds are constants */
 #define K 1024
@@ -61,6 +71,7 @@ static void f32_bcast(bufs *u) {
         __m256 acc[6][2];
         for (int r = 0; r < 6; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int h = 0; h < NT; h += 16)
+            UNROLLED
             for (int k = 0; k < K; k++) {
                 const __m256 w0 = _mm256_load_ps(u->pf + k * NT + h), w1 = _mm256_load_ps(u->pf + k * NT + h + 8);
                 for (int r = 0; r < 6; r++) {
@@ -83,6 +94,7 @@ static void i8_avx2(bufs *u, int scaled) {
             __m256i acc[4];
             for (int r = 0; r < 4; r++) accf[r] = _mm256_setzero_ps(), acc[r] = _mm256_setzero_si256();
             for (int g = 0; g < K / 32; g++) {
+                UNROLLED
                 for (int q = 0; q < 8; q++) {
                     const __m256i w = _mm256_load_si256((const __m256i *)(u->p8 + ((g * 8 + q) * NT + h) * 4));
                     for (int r = 0; r < 4; r++) {
@@ -121,6 +133,7 @@ static void i16_avx2(bufs *u, int scaled) {
             for (int r = 0; r < 3; r++)
                 for (int v = 0; v < 2; v++) accf[r][v] = _mm256_setzero_ps(), acc[r][v] = _mm256_setzero_si256();
             for (int g = 0; g < K / 32; g++) {
+                UNROLLED
                 for (int q = 0; q < 16; q++) {
                     const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
                     const __m256i w0 = _mm256_load_si256((const __m256i *)p);
@@ -165,6 +178,7 @@ static void i16_avx2_256(bufs *u, int unused) {
             for (int g0 = 0; g0 < K / 32; g0 += 8) {
                 __m256i acc[3][2];
                 for (int r = 0; r < 3; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+                UNROLLED
                 for (int q = 0; q < 16 * 8; q++) {
                     const int16_t *p = (const int16_t *)u->ph + (g0 * 16 + q) * NT * 2 + 2 * h;
                     const __m256i w0 = _mm256_load_si256((const __m256i *)p);
@@ -209,6 +223,7 @@ static inline __attribute__((always_inline)) void i16_rows(bufs *u, int scaled, 
             for (int r = 0; r < R; r++)
                 for (int v = 0; v < 2; v++) accf[r][v] = _mm256_setzero_ps(), acc[r][v] = _mm256_setzero_si256();
             for (int g = 0; g < K / 32; g++) {
+                UNROLLED
                 for (int q = 0; q < 16; q++) {
                     const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
                     const __m256i w0 = _mm256_load_si256((const __m256i *)p);
@@ -248,6 +263,7 @@ static inline __attribute__((always_inline)) void i16_rows1(bufs *u, int scaled,
             __m256i acc[12];
             for (int r = 0; r < R; r++) accf[r] = _mm256_setzero_ps(), acc[r] = _mm256_setzero_si256();
             for (int g = 0; g < K / 32; g++) {
+                UNROLLED
                 for (int q = 0; q < 16; q++) {
                     const int16_t *p = (const int16_t *)u->ph + (g * 16 + q) * NT * 2 + 2 * h;
                     const __m256i w = _mm256_load_si256((const __m256i *)p);
@@ -287,6 +303,7 @@ static void bf16_dot(bufs *u) {
             __m512 acc[4][4];
             for (int r = 0; r < 4; r++)
                 for (int n = 0; n < 4; n++) acc[r][n] = _mm512_setzero_ps();
+            UNROLLED
             for (int k = 0; k < K; k += 32) {
                 __m512bh w[4];
                 for (int n = 0; n < 4; n++) w[n] = (__m512bh)_mm512_loadu_si512(u->ph + (c + n) * K + k);
@@ -310,6 +327,7 @@ static inline __attribute__((always_inline)) void vnni_6x32(bufs *u, int scaled,
         for (int r = 0; r < 6; r++)
             for (int h = 0; h < 2; h++) accf[r][h] = _mm512_setzero_ps(), acc[r][h] = _mm512_setzero_si512();
         for (int g = 0; g < K / 32; g++) {
+            UNROLLED
             for (int q = 0; q < (i16 ? 16 : 8); q++) {
                 const uint8_t *p = i16 ? (const uint8_t *)(u->ph + (g * 16 + q) * NT * 2)
                                        : u->p8 + (g * 8 + q) * NT * 4;
