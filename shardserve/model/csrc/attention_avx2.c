@@ -39,10 +39,25 @@ static inline float hmax8_ps(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* One head's scores over n <= 8 slots: dot(q, K_t) for t < n, 0 beyond (q already scaled). */
+/* One head's scores over n <= 8 slots: dot(q, K_t) for t < n, 0 beyond (q already scaled).
+ * A full step (n = 8: every step but a context's last) takes a path without the per-slot
+ * checks, q's D / 8 vectors held while each K row is read once: with the checks inside the
+ * unrolled loops the compiler kept the slots' addresses on the stack, a reload per FMA. */
 ALWAYS_INLINE __m256 head_scores(const float *q, const char *k0, int64_t n, int64_t D,
                                  size_t slot_bytes, int dtype, size_t esize) {
     __m256 part[STEP];
+    if (n == STEP) {
+#pragma GCC unroll 8
+        for (int t = 0; t < STEP; t++) part[t] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+            for (int t = 0; t < STEP; t++)
+                part[t] = _mm256_fmadd_ps(qd, load8_act(k0 + t * slot_bytes + d * esize, dtype),
+                                          part[t]);
+        }
+        return hsum8x8_ps(part);
+    }
 #pragma GCC unroll 8
     for (int t = 0; t < STEP; t++) {
         __m256 acc = _mm256_setzero_ps();
