@@ -31,34 +31,33 @@ CEILING, CEILING_I16 = "ceiling GMAC/s", "int16 ceiling GMAC/s"
 UNROLLED = "-unrolled4"  # the tag of the -DFLOOR_UNROLL build's binary and kinds
 
 
-def build_floor(isa: str) -> list[Path] | None:
+def build_floor(isa: str) -> dict[str, Path] | None:
     """The loops' binaries at the --isa level, as written and with every inner loop unrolled 4
     times (-DFLOOR_UNROLL: the engine's micro-kernels are; gcc leaves them rolled at -O3, and
     either build can be the faster by 1.3x depending on the loop), or None where there is no
-    such level or no gcc."""
+    such level or no gcc. Keyed by the tag each build's kinds carry ("" and UNROLLED)."""
     march = MARCH.get(isa)
     if march is None or shutil.which("gcc") is None:
         return None
     folder = tempfile.mkdtemp(prefix="shardserve-floor-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    binaries = []
+    binaries = {}
     for tag, flags in (("", []), (UNROLLED, ["-DFLOOR_UNROLL"])):
         binary = Path(folder) / f"int8_gemm_floor-{isa}{tag}"
         subprocess.run(["gcc", "-O3", f"-march={march}", "-fopenmp", *flags, str(SOURCE),
                         "-o", str(binary)], check=True, capture_output=True, text=True,
                        timeout=300)
-        binaries.append(binary)
+        binaries[tag] = binary
     return binaries
 
 
-def floor_gmacs(binaries: list[Path], threads: int) -> dict[str, float]:
-    """GMAC/s of each scaled loop at `threads` threads, from each binary (its lines: `name rate
-    GMAC/s ...`); the unrolled build's kinds carry its tag."""
+def floor_gmacs(binaries: dict[str, Path], threads: int) -> dict[str, float]:
+    """GMAC/s of each scaled loop at `threads` threads, from each build (its lines: `name rate
+    GMAC/s ...`), each kind's name followed by its build's tag."""
     rates = {}
-    for binary in binaries:
+    for tag, binary in binaries.items():
         out = subprocess.run([str(binary), str(threads)], capture_output=True, text=True,
                              check=True, timeout=600)
-        tag = UNROLLED if binary.name.endswith(UNROLLED) else ""
         for line in out.stdout.splitlines():
             name, rate, *_ = line.split()
             if name.endswith(SCALED):

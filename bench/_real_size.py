@@ -97,7 +97,7 @@ def columns(shape: dict) -> list[str]:
 
 
 def measure_round(sides: list, r: int, shape: dict, threads: int, samples: Rounds,
-                  floor: list[Path] | None, kinds: dict[str, str]) -> None:
+                  floor: dict[str, Path] | None, kinds: dict[str, str]) -> None:
     samples.add((MACHINE, "GB/s"), read_bandwidth_gbs(threads))
     if floor is not None:
         kinds.update(add_ceilings(samples, MACHINE, floor_gmacs(floor, threads)))
