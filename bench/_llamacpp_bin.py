@@ -41,8 +41,22 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, s
     seconds = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
-        raise RuntimeError(f"{Path(cmd[0]).name} exited {proc.returncode}: {err[-2000:]}")
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {proc.returncode}: {err[-2000:]}"
+                           + _amx_hint(proc.returncode))
     return out, err, seconds, usage.ru_maxrss / 1024
+
+
+def _amx_hint(returncode: int) -> str:
+    """How to get past llama.cpp's native build crashing on an AMX CPU (SIGSEGV in its AMX
+    matrix multiply, ggml-org/llama.cpp#20824): the same source built without AMX."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if returncode >= 0 or "amx_int8" not in flags:
+        return ""
+    return ("\nThis CPU has AMX, where llama.cpp's native build crashes (ggml-org/llama.cpp#20824)."
+            " Build its native side without AMX: cmake -DGGML_NATIVE=OFF -DCMAKE_C_FLAGS="
+            "'-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16' (the same for "
+            "CMAKE_CXX_FLAGS), the other options as build_llama_cpp.sh passes them, and put "
+            "llama-bench and llama-batched-bench in bin-native.")
 
 
 def _jsonl(text: str) -> list[dict]:

@@ -161,6 +161,14 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
             print(f"  {name:<14} {col:>6}: {100 * median_or_nan(shares):5.1f}% of the bound")
 
 
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("--plot needs matplotlib, which `make install` leaves out: "
+                 ".venv/bin/pip install matplotlib==3.11.2 (or drop --plot)")
+
+
 def plot(samples: Rounds, names: list[str], shape: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -186,6 +194,8 @@ def plot(samples: Rounds, names: list[str], shape: dict, path: str, title: str) 
 
 def run_real(args, sides_options: dict, side_env: dict, model: str) -> None:
     """The whole real-size benchmark for parsed args (bench/cpu_vs_llamacpp.py)."""
+    if args.plot:
+        require_matplotlib()  # before the rounds, not after them
     shape = {"batches": [int(b) for b in args.batches.split(",")], "npp": args.npp,
              "ntg": args.ntg, "pp": args.pp, "tg": args.tg}
     env = {"SHARDSERVE_ISA": args.isa, "SHARDSERVE_NUM_THREADS": str(args.threads)}
