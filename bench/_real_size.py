@@ -137,7 +137,7 @@ def report(samples: Rounds, names: list[str], shape: dict, bytes_per_token: int,
             print(f"{name:<14}" + "".join(f"{x:>10.2f}x" for x in cells))
             if rounds > 1:
                 ranges = [spread(samples.ratios((name, c), (LLAMA, c))) for c in cols]
-                print(f"{'  range':<14}" + "".join(f"{x:>11}" for x in ranges))
+                print(f"{'  range':<14}" + "".join(f" {x:>10}" for x in ranges))
     b1 = f"B={shape['batches'][0]}"
     tg = f"tg{shape['tg']}"
     # The acceptance's batch-1 figure, and its 64 x 128 one (the widest batch over llama.cpp's

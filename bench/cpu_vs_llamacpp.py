@@ -9,6 +9,8 @@
 
 --isa sets SHARDSERVE_ISA for shardserve (the kernels' instruction set) and, with --llama-bin,
 picks llama.cpp's binaries DIR/bin-<isa> (../shared/bench/build_llama_cpp.sh DIR native|avx2).
+Below native it also holds torch's own code (ATen's kernels, MKL's sgemm under its flash
+attention, oneDNN) to that level, so a forced level runs as on a CPU that has only it.
 Both tables run every side at --threads (SHARDSERVE_NUM_THREADS, llama.cpp's -t).
 Side gguf-nodense is gguf with SHARDSERVE_QUANT_DENSE_BATCHES=0 (no dense weight copy),
 gguf-x8 gguf with SHARDSERVE_INT8_ACTIVATIONS=1 (int8 activations in the row kernels),
@@ -80,6 +82,15 @@ SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"},
             "gguf-nodense": {"SHARDSERVE_QUANT_DENSE_BATCHES": "0"},
             "gguf-x8": {"SHARDSERVE_INT8_ACTIVATIONS": "1"},
             "gguf-noamx": {"SHARDSERVE_AMX": "0"}}
+# torch's own instruction-set caps, read when torch loads (every side is a child process):
+# at --isa avx2 on an AVX-512 CPU its flash attention's sgemm ran AVX-512 code otherwise (~2% of
+# a 1B's 512-token prefill on a Xeon, 2026-12-08).
+TORCH_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
 LLAMA = "llama.cpp"
 COLUMNS = ("cold start s", "batch-1 tok/s", "64x128 tok/s")
 _LLAMA_COLD = """
@@ -228,6 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or str(default_model_path())
     os.environ["SHARDSERVE_ISA"] = args.isa
+    os.environ.update(TORCH_ISA_ENV.get(args.isa, {}))
     os.environ.setdefault("SHARDSERVE_NUM_THREADS", str(args.threads))
     if (args.table or ("real" if args.llama_bin else "classic")) == "real":
         if args.sides == parser.get_default("sides"):
