@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardserve.model.kernel_levels import cpu_flags
+
 COLD_CTX = 512  # context of both sides' cold starts
 
 
@@ -49,8 +51,7 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, s
 def _amx_hint(returncode: int) -> str:
     """How to get past llama.cpp's native build crashing on an AMX CPU (SIGSEGV in its AMX
     matrix multiply, ggml-org/llama.cpp#20824): the same source built without AMX."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if returncode >= 0 or "amx_int8" not in flags:
+    if returncode >= 0 or "amx_int8" not in cpu_flags():
         return ""
     return ("\nThis CPU has AMX, where llama.cpp's native build crashes (ggml-org/llama.cpp#20824)."
             " Build its native side without AMX: cmake -DGGML_NATIVE=OFF -DCMAKE_C_FLAGS="

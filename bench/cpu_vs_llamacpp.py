@@ -82,7 +82,8 @@ SIDE_ENV = {"gguf-layerwise": {"SHARDSERVE_FUSED_DECODE": "0"},
             "gguf-nodense": {"SHARDSERVE_QUANT_DENSE_BATCHES": "0"},
             "gguf-x8": {"SHARDSERVE_INT8_ACTIVATIONS": "1"},
             "gguf-noamx": {"SHARDSERVE_AMX": "0"}}
-# torch's own instruction-set caps, read when torch loads (every side is a child process):
+# torch's own instruction-set caps, each read at its first use (ATen's first dispatch, MKL's
+# and oneDNN's first call), so setting them in main() covers in-process and child sides alike:
 # at --isa avx2 on an AVX-512 CPU its flash attention's sgemm ran AVX-512 code otherwise (~2% of
 # a 1B's 512-token prefill on a Xeon, 2026-12-08).
 TORCH_ISA_ENV = {
